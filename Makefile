@@ -1,0 +1,20 @@
+# Two entry points, both self-installing on a fresh machine (see README):
+#   make demo   - installs, then runs the main job (`hyperdcp demo`)
+#   make test   - installs, then runs the whole test suite
+PY ?= python3
+PIP = $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: install demo test bench
+
+install:
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+
+demo: install
+	$(PY) -m dcp demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(PY) -m benchmarks
