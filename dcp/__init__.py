@@ -1,0 +1,24 @@
+"""hyperdcp: distributed checkpointing for large-model training in PyTorch.
+
+Three layers — planner, storage, metadata.  Each rank saves only its own
+shards; one coordinator deduplicates replicated chunks and balances the
+writes; the metadata (JSON, never pickle) is committed last and atomically.
+Loading intersects the boxes each rank needs with the saved chunks, so a
+checkpoint loads into any other parallel layout.
+
+Public API: :func:`save`, :func:`load`, :func:`read_metadata`,
+:class:`TensorShard`, :class:`Metadata`, :class:`LoadReport`,
+:class:`CheckpointError`.
+"""
+
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.load import LoadReport, load, read_metadata
+from dcp.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from dcp.save import save
+from dcp.tensors import TensorShard
+
+__all__ = [
+    "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
+    "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
+    "NotACheckpointError",
+]

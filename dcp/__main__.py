@@ -1,0 +1,7 @@
+"""``python -m dcp`` is the ``hyperdcp`` command."""
+
+import sys
+
+from dcp.cli import main
+
+sys.exit(main())

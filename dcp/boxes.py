@@ -1,0 +1,67 @@
+"""Resharding arithmetic on N-dimensional half-open boxes.
+
+A box is ``(offsets, sizes)`` in global element coordinates and covers
+``[offsets[d], offsets[d] + sizes[d])`` along every dimension ``d``.  A saved
+chunk is stored row-major, so a box inside it is a set of contiguous byte
+runs; :func:`byte_runs` lists them, which is what lets a resharded load read
+exactly the bytes it needs instead of whole chunks (PyTorch DCP reads whole
+chunks and narrows them afterwards).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterator, Sequence
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def intersect(a_offsets: Sequence[int], a_sizes: Sequence[int],
+              b_offsets: Sequence[int], b_sizes: Sequence[int]) -> Box | None:
+    """The intersection of two boxes, or ``None`` if it holds no element."""
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def volume(sizes: Sequence[int]) -> int:
+    """Number of elements in a box (1 for a 0-dim box)."""
+    return math.prod(sizes)
+
+
+def byte_runs(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
+              sizes: Sequence[int], itemsize: int) -> Iterator[tuple[int, int]]:
+    """Contiguous byte runs ``(start, length)`` of a sub-box inside a chunk.
+
+    ``rel_offsets``/``sizes`` give the sub-box relative to the chunk, whose
+    bytes are row-major with dimensions ``chunk_sizes``.  Runs come in
+    row-major order of the sub-box, so concatenated they are the sub-box's own
+    row-major bytes.  Trailing dimensions the sub-box covers fully are merged
+    into one run.
+    """
+    ndim = len(chunk_sizes)
+    if ndim == 0:
+        yield 0, itemsize
+        return
+    # strides in bytes of the chunk's row-major layout
+    strides = [itemsize] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+    # k: the outermost dimension a run spans; dims after k are fully covered
+    k = ndim - 1
+    while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
+        k -= 1
+    run = sizes[k] * strides[k]
+    base = sum(o * s for o, s in zip(rel_offsets, strides))
+    if k == 0:
+        yield base, run
+        return
+    outer = [range(n) for n in sizes[:k]]
+    for idx in itertools.product(*outer):
+        yield base + sum(i * s for i, s in zip(idx, strides)), run

@@ -1,0 +1,25 @@
+"""The one exception family of hyperdcp.
+
+Every failure the library reports is a :class:`CheckpointError` (a plain
+``Exception`` subclass, so ``except Exception`` catches it, unlike PyTorch
+DCP's ``CheckpointException``).  Messages name what is at fault: the fqn,
+chunk, rank, file or key.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Raised for every checkpoint failure: bad input, I/O errors, corrupt or
+    incomplete checkpoints, and failures on other ranks (the message names the
+    failing rank)."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The location holds no committed metadata: it was never a checkpoint,
+    or its save did not finish (an interrupted save is never loadable)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match their recorded checksum, or a data file is
+    missing or truncated, or the metadata cannot be decoded."""

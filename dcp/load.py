@@ -1,0 +1,222 @@
+"""Load: read the metadata, plan, read exactly the needed bytes, fill in place.
+
+Phases (each a collective step, so a failure on any rank raises on all):
+
+1. the coordinator reads the committed metadata once and broadcasts its bytes;
+2. every rank matches its state dict against it and the load planner turns
+   each needed box into reads of chunk intersections (global plan: the
+   planner's, by default each rank reads for itself);
+3. every rank reads, in parallel over files, only the byte runs of its
+   intersections — straight into the target tensor when its memory layout
+   allows, else into a host buffer that is then copied (and cast, if
+   allowed) into the target — and verifies the CRC-32 of every read that
+   covers a whole chunk.  A read of part of a chunk cannot be checked against
+   the chunk's checksum without reading the rest; ``hyperdcp verify`` checks
+   everything.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dcp import tensors
+from dcp.boxes import byte_runs
+from dcp.coordination import Coordinator
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
+from dcp.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, default_planner
+from dcp.state_dict import flatten
+from dcp.storage import StoragePlugin, open_storage
+
+
+@dataclass
+class LoadReport:
+    """What a load did on this rank.
+
+    ``missing_keys``: fqns of the target absent from the checkpoint (left
+    untouched; only possible with ``strict=False``).  ``unexpected_keys``:
+    fqns of the checkpoint the target lacks.  ``bytes_read``: bytes this rank
+    read from storage.
+    """
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def read_metadata_bytes(storage: StoragePlugin) -> bytes:
+    """The committed metadata file's bytes; :class:`NotACheckpointError` if
+    there is none."""
+    try:
+        return storage.read_file(METADATA_FILE)
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{storage.checkpoint_id!r} is not a checkpoint: it has no committed "
+            f"{METADATA_FILE} (never saved there, or the save did not complete)") from None
+
+
+def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
+                  storage_options: dict | None = None) -> Metadata:
+    """The :class:`~dcp.Metadata` of a committed checkpoint (local call, no
+    collectives): every tensor's global shape, dtype and chunks (global
+    offsets and sizes, file, byte range, CRC-32, writing rank), and every
+    non-tensor value.
+
+    Raises:
+        NotACheckpointError: no committed metadata at ``checkpoint_id``.
+        CorruptCheckpointError: the metadata is malformed.
+    """
+    if storage is None:
+        storage = open_storage(str(checkpoint_id), **(storage_options or {}))
+    return decode(read_metadata_bytes(storage), f"{checkpoint_id}/{METADATA_FILE}")
+
+
+class _Load:
+    """State of one load on one rank."""
+
+    def __init__(self, state_dict, storage, planner, coordinator, strict,
+                 allow_dtype_cast, allow_pickle) -> None:
+        self.storage = storage
+        self.planner = planner
+        self.coord = coordinator
+        self.strict = strict
+        self.allow_dtype_cast = allow_dtype_cast
+        self.allow_pickle = allow_pickle
+        self.state_dict = state_dict
+        self.leaves = {}
+        self.targets: list[tensors.LocalChunk] = []
+        self.requests: list[ReadRequest] = []
+        self.objects: list[str] = []
+        self.metadata: Metadata | None = None
+
+    def local_plan(self) -> LoadPlan:
+        self.leaves = flatten(self.state_dict, tensors.is_tensor)
+        for fqn, leaf in self.leaves.items():
+            if tensors.is_tensor(leaf.value):
+                chunk = tensors.describe(fqn, leaf.value)
+                self.targets.append(chunk)
+                self.requests.append(ReadRequest(fqn, chunk.offsets, chunk.sizes,
+                                                 chunk.global_shape, chunk.dtype))
+            else:
+                self.objects.append(fqn)
+        return self.planner.create_local_plan(
+            self.metadata, self.requests, self.objects, strict=self.strict,
+            allow_dtype_cast=self.allow_dtype_cast)
+
+    def read(self, plan: LoadPlan) -> int:
+        by_file: dict[str, list[ReadItem]] = defaultdict(list)
+        for item in plan.items:
+            by_file[self.metadata.tensors[item.fqn].chunks[item.chunk].file].append(item)
+        with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
+            futures = [pool.submit(self._read_file, name, items) for name, items in by_file.items()]
+            total = sum(f.result() for f in futures)
+        return total + self._load_objects()
+
+    def _read_file(self, name: str, items: list[ReadItem]) -> int:
+        total = 0
+        for item in items:
+            saved = self.metadata.tensors[item.fqn]
+            chunk = saved.chunks[item.chunk]
+            target = self.targets[item.request]
+            dest = tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
+                                  item.sizes)
+            direct = tensors.is_direct_target(dest, saved.dtype)
+            buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
+            view = tensors.byte_view(buf)
+            rel = [o - c for o, c in zip(item.offsets, chunk.offsets)]
+            ranges, pos = [], 0
+            for start, length in byte_runs(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype]):
+                ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
+                pos += length
+            try:
+                self.storage.read_ranges(name, ranges)
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{item.fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                    f"{name!r} failed: {e}") from e
+            if item.sizes == chunk.sizes and checksum(view) != chunk.checksum:
+                raise CorruptCheckpointError(
+                    f"{item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
+                    f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
+                    f"{name!r}): the checkpoint is corrupted")
+            if not direct:
+                tensors.copy_into(dest, buf)
+            total += pos
+        return total
+
+    def _load_objects(self) -> int:
+        total = 0
+        for fqn in self.objects:
+            saved = self.metadata.objects.get(fqn)
+            if saved is None:
+                continue
+            if saved.pickled is None:
+                value = saved.value
+                if isinstance(self.leaves[fqn].value, tuple) and isinstance(value, list):
+                    value = tuple(value)
+            else:
+                if not self.allow_pickle:
+                    raise CheckpointError(
+                        f"{fqn!r} is stored pickled; loading it can run code, so it needs "
+                        f"allow_pickle=True (only for checkpoints you trust)")
+                ref = saved.pickled
+                blob = bytearray(ref.nbytes)
+                self.storage.read_ranges(ref.file, [(ref.byte_offset, memoryview(blob))])
+                if checksum(blob) != ref.checksum:
+                    raise CorruptCheckpointError(
+                        f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
+                value = pickle.loads(blob)  # opted in by allow_pickle=True
+                total += ref.nbytes
+            self.leaves[fqn].replace(fqn, value)
+        return total
+
+    def run(self, checkpoint_id: str) -> LoadReport:
+        data = self.coord.broadcast("load: reading metadata",
+                                    lambda: read_metadata_bytes(self.storage))
+        self.metadata = decode(data, f"{checkpoint_id}/{METADATA_FILE}")
+        plan = self.coord.gather_scatter("load planning", self.local_plan,
+                                         self.planner.create_global_plan)
+        bytes_read = self.coord.run_all("load reading", lambda: self.read(plan))
+        return LoadReport(plan.missing_keys, plan.unexpected_keys, bytes_read)
+
+
+def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
+         allow_dtype_cast: bool = False, allow_pickle: bool = False,
+         planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
+         process_group=None, storage_options: dict | None = None) -> LoadReport:
+    """Fill ``state_dict`` in place from a checkpoint; collective over the group.
+
+    The target's layout may differ from the saved one (other world size,
+    other placements, TP8 -> TP4): each rank reads just the bytes of the
+    boxes it holds.  Tensors (and DTensor local shards) are filled in place,
+    so tied tensors stay tied; non-tensor leaves are replaced.
+
+    Args:
+        state_dict: the target, structured like the saved one.
+        checkpoint_id: path or URI of a committed checkpoint.
+        strict: raise if a target key is missing from the checkpoint
+            (listing all of them); with ``False`` they are reported in
+            :attr:`LoadReport.missing_keys` and left untouched.
+        allow_dtype_cast: cast when the saved dtype differs from the
+            target's, instead of raising.
+        allow_pickle: unpickle values saved with ``allow_pickle=True``
+            (runs code from the checkpoint: trusted checkpoints only).
+        planner, storage, process_group, storage_options: as for
+            :func:`dcp.save`.
+
+    Raises:
+        NotACheckpointError: nothing committed at ``checkpoint_id``.
+        CorruptCheckpointError: a checksum mismatch, or a missing or
+            truncated file, naming the fqn, chunk and file.
+        CheckpointError: shape or dtype mismatch, missing keys, or a
+            failure on another rank (naming it).
+    """
+    coordinator = Coordinator(process_group)
+    if storage is None:
+        storage = open_storage(str(checkpoint_id), **(storage_options or {}))
+    planner = planner if planner is not None else default_planner("load")
+    job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast, allow_pickle)
+    return job.run(str(checkpoint_id))

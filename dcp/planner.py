@@ -1,0 +1,131 @@
+"""Planner interfaces: what each rank writes on save and reads on load.
+
+Planning follows PyTorch DCP's split — local plans, a global plan made by one
+coordinator, final local plans — but planners see only fqns, shapes, box
+offsets/sizes, dtype names and byte counts, never tensors.  The standard
+implementations live in the ``planners`` package and are found through the
+``dcp.planners`` entry-point group (names ``save`` and ``load``); pass your
+own instance to :func:`dcp.save` / :func:`dcp.load` to change the policy.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from dcp.errors import CheckpointError
+from dcp.metadata import Metadata
+
+PLANNER_GROUP = "dcp.planners"
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A tensor's global ``shape`` (elements) and ``dtype`` name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """A chunk a rank holds and may write: the box ``(offsets, sizes)`` of
+    ``fqn`` in global coordinates, ``nbytes`` long.  ``(fqn, offsets)``
+    identifies the chunk: every holder of it holds the same bytes."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class SavePlan:
+    """A rank's tensors and chunks: offered (local plan) or to write (final)."""
+
+    tensors: dict[str, TensorDecl] = field(default_factory=dict)
+    items: list[WriteItem] = field(default_factory=list)
+
+
+class SavePlanner(abc.ABC):
+    """Decides which rank writes which chunk."""
+
+    def create_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Runs on every rank with everything the rank holds; returns what it
+        offers to write.  The default offers every non-empty chunk."""
+        return SavePlan(plan.tensors, [i for i in plan.items if i.nbytes > 0])
+
+    @abc.abstractmethod
+    def create_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Runs on the coordinator with every rank's local plan (index = rank);
+        returns each rank's final plan: the chunks it must write.
+
+        Must raise :class:`~dcp.errors.CheckpointError` naming the fqn and
+        ranks when ranks disagree on a tensor's shape, dtype or chunks.
+        """
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """A box a rank needs: ``(offsets, sizes)`` of ``fqn``, whose global
+    shape and dtype in the target are ``shape`` and ``dtype``."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Read the box ``(offsets, sizes)`` (global coordinates) of chunk number
+    ``chunk`` of ``fqn`` into request number ``request`` of this rank."""
+
+    fqn: str
+    request: int
+    chunk: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass
+class LoadPlan:
+    """A rank's reads, and the keys that did not match the checkpoint."""
+
+    items: list[ReadItem] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+
+
+class LoadPlanner(abc.ABC):
+    """Decides which bytes each rank reads."""
+
+    @abc.abstractmethod
+    def create_local_plan(self, metadata: Metadata, requests: list[ReadRequest],
+                          objects: list[str], *, strict: bool,
+                          allow_dtype_cast: bool) -> LoadPlan:
+        """Runs on every rank: match its ``requests`` (tensor boxes) and
+        ``objects`` (fqns of non-tensor leaves) against ``metadata``.
+
+        Must raise :class:`~dcp.errors.CheckpointError` for a shape mismatch
+        (naming both shapes), a dtype mismatch unless ``allow_dtype_cast``,
+        and, when ``strict``, for target keys missing from the checkpoint.
+        """
+
+    def create_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Runs on the coordinator with every rank's local plan; returns the
+        final plans.  The default keeps each rank's own reads."""
+        return plans
+
+
+def default_planner(kind: str) -> SavePlanner | LoadPlanner:
+    """A new instance of the planner registered as ``kind`` (``"save"`` or
+    ``"load"``) in the ``dcp.planners`` entry-point group."""
+    found = entry_points(group=PLANNER_GROUP, name=kind)
+    if not found:
+        raise CheckpointError(
+            f"no {kind!r} planner is registered in the {PLANNER_GROUP!r} entry-point group "
+            f"(is hyperdcp installed with pip?)")
+    return next(iter(found)).load()()

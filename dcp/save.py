@@ -1,0 +1,277 @@
+"""Synchronous save: plan, deduplicate, write, commit.
+
+Phases, each a collective step of :class:`~dcp.coordination.Coordinator` so a
+failure anywhere fails the save on every rank:
+
+1. *planning* — every rank describes what it holds; the coordinator refuses
+   to replace a committed checkpoint unless ``overwrite=True``, and the save
+   planner deduplicates and balances the chunks;
+2. *writing* — every rank writes its chunks into ``thread_count``
+   size-balanced files in parallel, computing each chunk's CRC-32 as it goes,
+   and hashes the replicas it holds but does not write;
+3. *commit* — the coordinator checks that every replica of a chunk has the
+   same checksum, builds the metadata and commits it atomically, last.  Only
+   then, with ``overwrite=True``, are the previous checkpoint's data files
+   deleted: new data files carry the save's id in their names, so until the
+   commit the previous checkpoint stays whole and loadable.
+
+On failure every rank deletes the files it wrote; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp import tensors
+from dcp.coordination import Coordinator
+from dcp.errors import CheckpointError
+from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
+                          TensorMeta, checksum, encode)
+from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
+from dcp.state_dict import flatten
+from dcp.storage import StoragePlugin, open_storage
+
+DATA_SUFFIX = ".data"
+
+
+@dataclass
+class _WriteResult:
+    """What a rank reports after writing: its chunks, the checksums of the
+    replicas it holds, and its non-tensor values (JSON text or pickle)."""
+
+    chunks: list[tuple[str, ChunkMeta]] = field(default_factory=list)
+    replicas: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
+    json_values: dict[str, str] = field(default_factory=dict)
+    pickled: dict[str, bytes] = field(default_factory=dict)
+
+
+def encode_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[str | None, bytes | None]:
+    """A non-tensor value as JSON text, or pickled bytes if the caller opted
+    in; raises :class:`CheckpointError` naming ``fqn`` otherwise."""
+    if _is_json(value):
+        return json.dumps(value, sort_keys=True, allow_nan=True), None
+    if not allow_pickle:
+        raise CheckpointError(
+            f"{fqn!r}: a value of type {type(value).__name__} is not JSON-representable; "
+            f"convert it, or pass allow_pickle=True to save (and to load) it pickled")
+    return None, pickle.dumps(value)
+
+
+def _is_json(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False
+
+
+def _balance_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
+    """Split items into at most ``count`` groups of similar byte size."""
+    groups: list[list[WriteItem]] = [[] for _ in range(min(count, len(items)))]
+    sizes = [0] * len(groups)
+    for item in sorted(items, key=lambda i: -i.nbytes):
+        k = sizes.index(min(sizes))
+        groups[k].append(item)
+        sizes[k] += item.nbytes
+    return groups
+
+
+class _Save:
+    """State of one save on one rank."""
+
+    def __init__(self, state_dict, storage: StoragePlugin, planner: SavePlanner,
+                 coordinator: Coordinator, overwrite: bool, allow_pickle: bool) -> None:
+        self.state_dict = state_dict
+        self.storage = storage
+        self.planner = planner
+        self.coord = coordinator
+        self.overwrite = overwrite
+        self.allow_pickle = allow_pickle
+        self.chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = {}
+        self.json_values: dict[str, str] = {}
+        self.pickled: dict[str, bytes] = {}
+        self.written: list[str] = []
+        self.decls: dict[str, TensorDecl] = {}
+
+    # -- phase 1: planning
+    def local_plan(self) -> SavePlan:
+        plan = SavePlan()
+        for fqn, leaf in flatten(self.state_dict, tensors.is_tensor).items():
+            if tensors.is_tensor(leaf.value):
+                chunk = tensors.describe(fqn, leaf.value)
+                plan.tensors[fqn] = TensorDecl(chunk.global_shape, chunk.dtype)
+                item = WriteItem(fqn, chunk.offsets, chunk.sizes,
+                                 chunk.data.numel() * chunk.data.element_size())
+                plan.items.append(item)
+                self.chunks[(fqn, chunk.offsets)] = chunk
+            else:
+                text, blob = encode_object(fqn, leaf.value, self.allow_pickle)
+                if blob is None:
+                    self.json_values[fqn] = text
+                else:
+                    self.pickled[fqn] = blob
+        return self.planner.create_local_plan(plan)
+
+    def global_plan(self, plans: list[SavePlan]) -> list[tuple[str, SavePlan]]:
+        if not self.overwrite and self.storage.exists(METADATA_FILE):
+            raise CheckpointError(
+                f"{self.storage.checkpoint_id!r} already holds a committed checkpoint; "
+                f"pass overwrite=True to replace it")
+        final = self.planner.create_global_plan(plans)
+        for plan in plans:
+            self.decls.update(plan.tensors)
+        save_id = uuid.uuid4().hex[:16]
+        return [(save_id, plan) for plan in final]
+
+    # -- phase 2: writing
+    def write(self, save_id: str, plan: SavePlan) -> _WriteResult:
+        result = _WriteResult(json_values=self.json_values, pickled=self.pickled)
+        mine = {(i.fqn, i.offsets) for i in plan.items}
+        groups = _balance_files(plan.items, self.storage.thread_count)
+        names = [f"r{self.coord.rank:05d}-{k}.{save_id}{DATA_SUFFIX}" for k in range(len(groups))]
+        self.written = names
+        replicas = [key for key, c in self.chunks.items()
+                    if key not in mine and c.data.numel() > 0]
+        with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
+            writes = [pool.submit(self._write_file, name, group)
+                      for name, group in zip(names, groups)]
+            hashes = {key: pool.submit(self._hash, key) for key in replicas}
+            for future in writes:
+                result.chunks.extend(future.result())
+            result.replicas = {key: f.result() for key, f in hashes.items()}
+        return result
+
+    def _hash(self, key) -> int:
+        return checksum(tensors.byte_view(tensors.to_host(self.chunks[key].data)))
+
+    def _write_file(self, name: str, group: list[WriteItem]) -> list[tuple[str, ChunkMeta]]:
+        buffers, out, offset = [], [], 0
+        for item in group:
+            buf = tensors.byte_view(tensors.to_host(self.chunks[(item.fqn, item.offsets)].data))
+            buffers.append(buf)
+            out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset, len(buf),
+                                            checksum(buf), self.coord.rank)))
+            offset += len(buf)
+        try:
+            self.storage.write_file(name, buffers)
+        except Exception as e:
+            raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed: {e}") from e
+        return out
+
+    # -- phase 3: commit (coordinator)
+    def commit(self, save_id: str, results: list[_WriteResult]) -> Metadata:
+        md = Metadata(save_id=save_id, world_size=self.coord.world_size)
+        for fqn, decl in self.decls.items():
+            md.tensors[fqn] = TensorMeta(decl.shape, decl.dtype)
+        written: dict[tuple[str, tuple[int, ...]], ChunkMeta] = {}
+        for result in results:
+            for fqn, chunk in result.chunks:
+                md.tensors[fqn].chunks.append(chunk)
+                written[(fqn, chunk.offsets)] = chunk
+        for rank, result in enumerate(results):
+            for (fqn, offsets), crc in result.replicas.items():
+                chunk = written[(fqn, offsets)]
+                if crc != chunk.checksum:
+                    raise CheckpointError(
+                        f"{fqn!r}: ranks {chunk.rank} and {rank} hold different values for the "
+                        f"chunk at offsets {list(offsets)} (a replicated tensor must be equal on "
+                        f"every rank; give per-rank values distinct keys)")
+        for t in md.tensors.values():
+            t.chunks.sort(key=lambda c: c.offsets)
+        self._merge_objects(md, results, save_id)
+        try:
+            self.storage.commit_file(METADATA_FILE, encode(md), overwrite=self.overwrite)
+        except FileExistsError as e:
+            raise CheckpointError(
+                f"{self.storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
+        if self.overwrite:
+            self._delete_stale(md.files())
+        return md
+
+    def _delete_stale(self, keep: set[str]) -> None:
+        """Remove the replaced checkpoint's data files.  The new checkpoint is
+        already committed, so a failure here only leaves garbage: warn."""
+        try:
+            self.storage.delete(n for n in self.storage.list_files()
+                                if n.endswith(DATA_SUFFIX) and n not in keep)
+        except OSError as e:
+            warnings.warn(f"{self.storage.checkpoint_id!r}: could not delete the replaced "
+                          f"checkpoint's data files: {e}", stacklevel=2)
+
+    def _merge_objects(self, md: Metadata, results: list[_WriteResult], save_id: str) -> None:
+        texts: dict[str, tuple[int, str]] = {}
+        for rank, result in enumerate(results):
+            for fqn, text in result.json_values.items():
+                first = texts.setdefault(fqn, (rank, text))
+                if first[1] != text:
+                    raise CheckpointError(
+                        f"{fqn!r}: ranks {first[0]} and {rank} hold different values "
+                        f"({first[1]:.60} vs {text:.60}); give per-rank values distinct keys")
+        for fqn, (_, text) in texts.items():
+            md.objects[fqn] = ObjectMeta(value=json.loads(text))
+        blobs: dict[str, bytes] = {}
+        for result in results:
+            for fqn, blob in result.pickled.items():
+                blobs.setdefault(fqn, blob)  # pickles of equal objects may differ: lowest rank's
+        if blobs:
+            name = f"objects.{save_id}{DATA_SUFFIX}"
+            self.written.append(name)
+            offset = 0
+            for fqn, blob in blobs.items():
+                md.objects[fqn] = ObjectMeta(pickled=BlobRef(name, offset, len(blob), checksum(blob)))
+                offset += len(blob)
+            self.storage.write_file(name, list(blobs.values()))
+
+    def run(self) -> Metadata:
+        save_id, plan = self.coord.gather_scatter("save planning", self.local_plan, self.global_plan)
+        try:
+            return self.coord.gather_broadcast(
+                "save writing/commit", lambda: self.write(save_id, plan),
+                lambda results: self.commit(save_id, results))
+        except CheckpointError:
+            self.storage.delete(self.written)
+            raise
+
+
+def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
+         storage: StoragePlugin | None = None, process_group=None, overwrite: bool = False,
+         allow_pickle: bool = False, storage_options: dict | None = None) -> Metadata:
+    """Save a (sharded) state dict as one checkpoint; collective over the group.
+
+    Args:
+        state_dict: nested dicts/lists/tuples whose leaves are tensors
+            (``torch.Tensor`` = replicated on every rank; ``DTensor``;
+            :class:`dcp.TensorShard`) or JSON-representable values.
+        checkpoint_id: a path or URI; its scheme picks the storage plugin.
+        planner: the :class:`~dcp.planner.SavePlanner` (default: dedup +
+            balanced writes, ``planners.save.DefaultSavePlanner``).
+        storage: a ready :class:`~dcp.storage.StoragePlugin` instead of
+            ``open_storage(checkpoint_id, **storage_options)``.
+        process_group: the group saving together (default: the default group
+            if ``torch.distributed`` is initialized, else a single process).
+        overwrite: replace a committed checkpoint at ``checkpoint_id``; the
+            old one stays loadable until the new metadata commits.
+        allow_pickle: store values that are not JSON-representable pickled.
+        storage_options: keyword options of the storage plugin (e.g.
+            ``thread_count``, ``fsync`` for POSIX).
+
+    Returns:
+        The committed :class:`~dcp.Metadata` (on every rank).
+
+    Raises:
+        CheckpointError: on every rank, naming the rank, fqn or file at
+        fault, if anything fails; nothing is committed then.
+    """
+    coordinator = Coordinator(process_group)
+    if storage is None:
+        storage = open_storage(str(checkpoint_id), **(storage_options or {}))
+    planner = planner if planner is not None else default_planner("save")
+    return _Save(state_dict, storage, planner, coordinator, overwrite, allow_pickle).run()

@@ -1,0 +1,74 @@
+"""Flattening nested state dicts into fqns, and writing leaves back.
+
+A state dict is a tree of dicts, lists and tuples.  Its leaves are tensors
+(anything :func:`dcp.tensors.is_tensor_like` accepts) and plain values.  The
+fqn of a leaf is the dotted path of keys and list indices leading to it:
+``{"model": {"layers": [{"w": t}]}}`` gives ``model.layers.0.w``.
+
+Lists and tuples are descended into only when they contain a tensor
+somewhere; a list of plain values (an optimizer's ``params`` list, say) is a
+single leaf, as in PyTorch DCP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dcp.errors import CheckpointError
+
+
+@dataclass
+class Leaf:
+    """One leaf: its value and how to replace it in its container."""
+
+    value: Any
+    container: Any
+    key: Any
+
+    def replace(self, fqn: str, value: Any) -> None:
+        """Set a new value in place of this leaf (tensors are filled in place
+        instead; this is for plain values)."""
+        if isinstance(self.container, tuple):
+            raise CheckpointError(f"cannot set {fqn!r}: it sits inside a tuple; use a list")
+        self.container[self.key] = value
+        self.value = value
+
+
+def flatten(state_dict: dict, is_tensor: Callable[[Any], bool]) -> dict[str, Leaf]:
+    """Map every leaf's fqn to its :class:`Leaf`.
+
+    Raises :class:`CheckpointError` if ``state_dict`` is not a dict, a key is
+    neither ``str`` nor ``int``, or two paths give the same fqn.
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"a state dict must be a dict, got {type(state_dict).__name__}")
+    out: dict[str, Leaf] = {}
+
+    def holds_tensor(value) -> bool:
+        if is_tensor(value):
+            return True
+        if isinstance(value, dict):
+            return any(holds_tensor(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(holds_tensor(v) for v in value)
+        return False
+
+    def visit(value, container, key, fqn: str):
+        if isinstance(value, dict) and (value or container is None):
+            items = value.items()
+        elif isinstance(value, (list, tuple)) and holds_tensor(value):
+            items = enumerate(value)
+        else:
+            if fqn in out:
+                raise CheckpointError(f"two entries of the state dict share the fqn {fqn!r}")
+            out[fqn] = Leaf(value, container, key)
+            return
+        for k, v in items:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise CheckpointError(
+                    f"state dict key {k!r} under {fqn or '<root>'!r} must be str or int")
+            visit(v, value, k, f"{fqn}.{k}" if fqn else str(k))
+
+    visit(state_dict, None, None, "")
+    return out

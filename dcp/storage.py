@@ -1,0 +1,144 @@
+"""The storage interface, and finding a plugin for a checkpoint id.
+
+A :class:`StoragePlugin` stores the files of one checkpoint under a root (a
+directory, a bucket prefix, ...).  Names passed to it are relative,
+``/``-separated paths.  Plugins are found through the ``dcp.storage_plugins``
+entry-point group, which maps a URI scheme to a class — the built-in ones are
+registered there exactly like a third party's (the lazy registry is modelled
+on fsspec's, install hints included).  A plain path means ``file``.
+
+Plugins raise ``OSError`` (or any exception) on failure; the core turns it
+into a :class:`~dcp.errors.CheckpointError` naming the rank and file.
+"""
+
+from __future__ import annotations
+
+import abc
+import struct
+from importlib.metadata import entry_points
+from typing import Iterable, Sequence
+from urllib.parse import urlsplit
+
+from dcp.errors import CheckpointError
+from dcp.metadata import checksum
+
+ENTRY_POINT_GROUP = "dcp.storage_plugins"
+
+# Schemes served by optional packages: what to install when one is missing.
+INSTALL_HINTS = {
+    "s3": "s3fs (pip install 'hyperdcp[s3]')",
+    "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs",
+}
+
+_EXCHANGE_MAGIC = b"DCPX"
+_EXCHANGE_TRAILER = struct.Struct("<4sQI")  # magic, payload length, CRC-32
+
+
+class StoragePlugin(abc.ABC):
+    """Where a checkpoint's bytes live.
+
+    ``checkpoint_id`` is the URI or path the user passed; ``options`` are the
+    plugin's own settings (``storage_options`` of the public API).
+    ``thread_count`` is how many data files a rank writes (and reads) in
+    parallel.
+    """
+
+    thread_count: int = 1
+
+    def __init__(self, checkpoint_id: str, **options) -> None:
+        self.checkpoint_id = checkpoint_id
+
+    @abc.abstractmethod
+    def write_file(self, name: str, buffers: Sequence[memoryview | bytes]) -> None:
+        """Create the file ``name`` holding the concatenation of ``buffers``.
+
+        Called concurrently from several threads for different names.  Must
+        return only once the bytes are fully written (and durable, if the
+        plugin promises that); on failure it raises, and a partial file may
+        remain only under ``name`` (the core deletes it).
+        """
+
+    @abc.abstractmethod
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each writable buffer with the bytes of ``name`` starting at
+        its offset (``(offset, buffer)`` pairs, in bytes).  Raises if the file
+        is missing or shorter than a range."""
+
+    @abc.abstractmethod
+    def read_file(self, name: str) -> bytes:
+        """The whole file ``name``; ``FileNotFoundError`` if there is none."""
+
+    @abc.abstractmethod
+    def commit_file(self, name: str, data: bytes, *, overwrite: bool) -> None:
+        """Publish ``name`` atomically: readers see the old state or all of
+        ``data``, never a part.  With ``overwrite=False`` it must fail with
+        ``FileExistsError`` if ``name`` exists (so two committers cannot both
+        win)."""
+
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists."""
+
+    @abc.abstractmethod
+    def list_files(self) -> list[str]:
+        """Names of every file under the root (recursively)."""
+
+    @abc.abstractmethod
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete files; names that do not exist are ignored."""
+
+    # ---- exchange files of the file-flag coordination protocol -----------
+
+    def write_exchange(self, name: str, payload: bytes) -> None:
+        """Write a small exchange file that ends with a completion flag (a
+        trailer holding a magic number, the payload length and its CRC-32)."""
+        trailer = _EXCHANGE_TRAILER.pack(_EXCHANGE_MAGIC, len(payload), checksum(payload))
+        self.write_file(name, [payload, trailer])
+
+    def read_exchange(self, name: str) -> bytes | None:
+        """The payload of a complete exchange file, or ``None`` if the file
+        does not exist yet or is incomplete (torn, or still being written)."""
+        try:
+            data = self.read_file(name)
+        except FileNotFoundError:
+            return None
+        if len(data) < _EXCHANGE_TRAILER.size:
+            return None
+        magic, length, crc = _EXCHANGE_TRAILER.unpack_from(data, len(data) - _EXCHANGE_TRAILER.size)
+        payload = data[:-_EXCHANGE_TRAILER.size]
+        if magic != _EXCHANGE_MAGIC or length != len(payload) or crc != checksum(payload):
+            return None
+        return payload
+
+
+def scheme_of(checkpoint_id: str) -> str:
+    """The URI scheme of a checkpoint id; ``file`` for a plain path."""
+    scheme = urlsplit(checkpoint_id).scheme if "://" in checkpoint_id else ""
+    return scheme or "file"
+
+
+def installed_schemes() -> dict[str, object]:
+    """Scheme -> entry point of every installed storage plugin."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
+    """Instantiate the plugin registered for ``checkpoint_id``'s scheme.
+
+    Raises :class:`CheckpointError` for an unknown scheme, listing the
+    installed schemes and, for known optional backends, what to install.
+    """
+    scheme = scheme_of(str(checkpoint_id))
+    plugins = installed_schemes()
+    if scheme not in plugins:
+        hint = f"; install {INSTALL_HINTS[scheme]} for it" if scheme in INSTALL_HINTS else ""
+        raise CheckpointError(
+            f"no storage plugin for scheme {scheme!r} of {checkpoint_id!r}{hint} "
+            f"(installed: {', '.join(sorted(plugins)) or 'none'}; plugins register in the "
+            f"{ENTRY_POINT_GROUP!r} entry-point group)")
+    try:
+        cls = plugins[scheme].load()
+    except ImportError as e:
+        hint = INSTALL_HINTS.get(scheme, e.name or "its dependencies")
+        raise CheckpointError(f"storage plugin for {scheme!r} cannot be imported ({e}); install {hint}") from e
+    return cls(str(checkpoint_id), **options)

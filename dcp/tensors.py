@@ -1,0 +1,150 @@
+"""The torch adapter: the only module of the core that knows torch types.
+
+It turns each tensor-like leaf of a state dict into the framework-agnostic
+description the planners and the metadata work with — global shape, dtype
+name, and the box ``(offsets, sizes)`` this rank holds — and moves bytes
+between tensors and host buffers.
+
+Three kinds of leaves are understood:
+
+* ``torch.Tensor``: the whole tensor, held by every rank (replicated).
+* ``DTensor`` with ``Shard``, ``Replicate`` and strided-shard placements on any
+  device mesh: the local shard's box comes from torch's own placement
+  arithmetic (``compute_local_shape_and_global_offset``), uneven and empty
+  shards included.
+* :class:`TensorShard`: a Megatron-style description (local tensor + global
+  shape + global offsets) for frameworks without DTensor.
+
+Device tensors reach host memory through ``Tensor.to("cpu")``, which works
+for any torch device (CUDA, Ascend NPU through ``torch_npu``, ...), so no
+device type is hard-coded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from dcp.errors import CheckpointError
+from dcp.metadata import DTYPE_ITEMSIZE
+
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
+_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+
+@dataclass
+class TensorShard:
+    """One rank's piece of a global tensor, described without DTensor.
+
+    ``data`` holds the box starting at ``global_offsets`` (elements, one per
+    dimension) of a tensor of ``global_shape``; its own shape gives the box's
+    sizes.  Ranks holding the same ``(fqn, global_offsets)`` hold replicas of
+    one chunk; save writes it once.  This is the shape of Megatron-LM's
+    ``ShardedTensor`` (key, data, global shape, global offset).
+    """
+
+    data: torch.Tensor
+    global_shape: Sequence[int]
+    global_offsets: Sequence[int]
+
+
+@dataclass
+class LocalChunk:
+    """What this rank holds of one tensor: a box and the tensor holding it."""
+
+    global_shape: tuple[int, ...]
+    dtype: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor
+
+
+def is_tensor(value: Any) -> bool:
+    """True for leaves this adapter describes (tensors, DTensors, shards)."""
+    return isinstance(value, (torch.Tensor, TensorShard))
+
+
+def dtype_name(dtype: torch.dtype, fqn: str) -> str:
+    """The checkpoint's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(
+            f"{fqn!r}: dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a checkpoint dtype name."""
+    return _DTYPES[name]
+
+
+def describe(fqn: str, value: Any) -> LocalChunk:
+    """Describe a tensor-like leaf as the box this rank holds.
+
+    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype or
+    a :class:`TensorShard` whose box lies outside its global shape.
+    """
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        global_shape = tuple(value.shape)
+        sizes, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements)
+        sizes, offsets = tuple(sizes), tuple(offsets)
+        if tuple(local.shape) != sizes:
+            raise CheckpointError(
+                f"{fqn!r}: DTensor local shape {tuple(local.shape)} does not match the "
+                f"shape {sizes} its placements {value.placements} give")
+        if 0 in sizes:  # an empty shard: its offsets may lie past the end
+            offsets = (0,) * len(sizes)
+        return LocalChunk(global_shape, dtype_name(local.dtype, fqn), offsets, sizes, local)
+    if isinstance(value, TensorShard):
+        data = value.data
+        global_shape = tuple(int(d) for d in value.global_shape)
+        offsets = tuple(int(o) for o in value.global_offsets)
+        sizes = tuple(data.shape)
+        if not (len(global_shape) == len(offsets) == len(sizes)) or any(
+                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape)):
+            raise CheckpointError(
+                f"{fqn!r}: TensorShard of shape {sizes} at offsets {offsets} does not fit "
+                f"global shape {global_shape}")
+        return LocalChunk(global_shape, dtype_name(data.dtype, fqn), offsets, sizes, data)
+    shape = tuple(value.shape)
+    return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), shape, value)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor with ``t``'s values (``t`` itself if it is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without copying (writable)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def empty_host(sizes: Sequence[int], dtype: str) -> torch.Tensor:
+    """An uninitialized contiguous host tensor to read into."""
+    return torch.empty(tuple(sizes), dtype=_DTYPES[dtype])
+
+
+def region(data: torch.Tensor, rel_offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The view of ``data`` covering the box at ``rel_offsets`` of ``sizes``."""
+    return data[tuple(slice(o, o + s) for o, s in zip(rel_offsets, sizes))]
+
+
+def is_direct_target(view: torch.Tensor, dtype: str) -> bool:
+    """Whether bytes of ``dtype`` can be read straight into ``view``."""
+    return view.device.type == "cpu" and view.is_contiguous() and view.dtype == _DTYPES[dtype]
+
+
+def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dest`` in place (casting dtype, moving device)."""
+    with torch.no_grad():
+        dest.copy_(src)

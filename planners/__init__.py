@@ -1,0 +1,1 @@
+"""Standard planners: dedup + balanced writes on save, box intersection on load."""

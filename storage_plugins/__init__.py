@@ -1,0 +1,1 @@
+"""Built-in storage plugins, registered in the ``dcp.storage_plugins`` entry-point group."""
