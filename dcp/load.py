@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from dcp import tensors
 from dcp.boxes import byte_runs
+from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination import Coordinator
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
@@ -78,7 +79,8 @@ class _Load:
     """State of one load on one rank."""
 
     def __init__(self, state_dict, storage, planner, coordinator, strict,
-                 allow_dtype_cast, allow_pickle) -> None:
+                 allow_dtype_cast, allow_pickle, max_inflight_bytes) -> None:
+        self.max_inflight_bytes = max_inflight_bytes
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
@@ -107,45 +109,92 @@ class _Load:
             allow_dtype_cast=self.allow_dtype_cast)
 
     def read(self, plan: LoadPlan) -> int:
+        """Read this rank's items and run its transfers; returns bytes read."""
+        me = self.coord.rank
+        sourced = [item for t in plan.transfers if t.src == me for item in t.items]
         by_file: dict[str, list[ReadItem]] = defaultdict(list)
-        for item in plan.items:
+        for item in set(plan.items).difference(sourced):
             by_file[self.metadata.tensors[item.fqn].chunks[item.chunk].file].append(item)
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
-            futures = [pool.submit(self._read_file, name, items) for name, items in by_file.items()]
-            total = sum(f.result() for f in futures)
+            # reads feeding broadcasts first, in the order the broadcasts run
+            reads = {item: pool.submit(self._read_item, item) for item in sourced}
+            own = [pool.submit(lambda items: sum(self._read_item(i).nbytes for i in items), items)
+                   for items in by_file.values()]
+            if plan.transfers:
+                self._run_transfers(plan, reads)
+            total = sum(f.result() for f in own)
+            total += sum(f.result().nbytes for f in reads.values())
         return total + self._load_objects()
 
-    def _read_file(self, name: str, items: list[ReadItem]) -> int:
-        total = 0
-        for item in items:
-            saved = self.metadata.tensors[item.fqn]
-            chunk = saved.chunks[item.chunk]
-            target = self.targets[item.request]
-            dest = tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
-                                  item.sizes)
-            direct = tensors.is_direct_target(dest, saved.dtype)
-            buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
-            view = tensors.byte_view(buf)
-            rel = [o - c for o, c in zip(item.offsets, chunk.offsets)]
-            ranges, pos = [], 0
-            for start, length in byte_runs(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype]):
-                ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
-                pos += length
-            try:
-                self.storage.read_ranges(name, ranges)
-            except Exception as e:
-                raise CorruptCheckpointError(
-                    f"{item.fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
-                    f"{name!r} failed: {e}") from e
-            if item.sizes == chunk.sizes and checksum(view) != chunk.checksum:
-                raise CorruptCheckpointError(
-                    f"{item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
-                    f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
-                    f"{name!r}): the checkpoint is corrupted")
-            if not direct:
-                tensors.copy_into(dest, buf)
-            total += pos
-        return total
+    def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
+        """Send what this rank read, receive the rest; a failure is raised
+        only after every transfer ran, so no member is left waiting."""
+        failures: list[Exception] = []
+        device = comm_device(self.coord.group)
+        with ReplicaGroups(plan.groups, self.coord.group, self.coord.world_size) as groups:
+            sender = Broadcaster(groups, self.max_inflight_bytes)
+            for transfer in plan.transfers:
+                if transfer.src == self.coord.rank:
+                    try:
+                        buffer = tensors.flat_bytes([reads[i].result() for i in transfer.items], device)
+                    except Exception as e:  # raised after all transfers ran
+                        failures.append(e)
+                        buffer = tensors.zeros_bytes(transfer.nbytes, device)
+                    sender.start(transfer.ranks, transfer.src, buffer, lambda: None)
+                else:
+                    buffer = tensors.zeros_bytes(transfer.nbytes, device)
+                    sender.start(transfer.ranks, transfer.src, buffer,
+                                 lambda t=transfer, b=buffer: self._unpack(t, b, failures))
+            sender.finish()
+        if failures:
+            raise failures[0]
+
+    def _unpack(self, transfer, buffer, failures: list[Exception]) -> None:
+        """Copy the regions of a received broadcast into their targets."""
+        try:
+            pos = 0
+            for item in transfer.items:
+                dtype = self.metadata.tensors[item.fqn].dtype
+                src = tensors.from_bytes(buffer[pos:pos + item.nbytes], dtype, item.sizes)
+                tensors.copy_into(self._target_region(item), src)
+                pos += item.nbytes
+        except Exception as e:  # raised after all transfers ran
+            failures.append(e)
+
+    def _target_region(self, item: ReadItem):
+        target = self.targets[item.request]
+        return tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
+                              item.sizes)
+
+    def _read_item(self, item: ReadItem):
+        """Read one region from storage into its target; returns a host
+        tensor of the saved dtype holding it (the target's own memory when
+        it could be read in place)."""
+        saved = self.metadata.tensors[item.fqn]
+        chunk = saved.chunks[item.chunk]
+        dest = self._target_region(item)
+        direct = tensors.is_direct_target(dest, saved.dtype)
+        buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
+        view = tensors.byte_view(buf)
+        rel = [o - c for o, c in zip(item.offsets, chunk.offsets)]
+        ranges, pos = [], 0
+        for start, length in byte_runs(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype]):
+            ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
+            pos += length
+        try:
+            self.storage.read_ranges(chunk.file, ranges)
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{item.fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
+        if item.sizes == chunk.sizes and checksum(view) != chunk.checksum:
+            raise CorruptCheckpointError(
+                f"{item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
+                f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
+                f"{chunk.file!r}): the checkpoint is corrupted")
+        if not direct:
+            tensors.copy_into(dest, buf)
+        return buf
 
     def _load_objects(self) -> int:
         total = 0
@@ -186,7 +235,8 @@ class _Load:
 def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
          allow_dtype_cast: bool = False, allow_pickle: bool = False,
          planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
-         process_group=None, storage_options: dict | None = None) -> LoadReport:
+         process_group=None, storage_options: dict | None = None,
+         max_inflight_bytes: int = 256 << 20) -> LoadReport:
     """Fill ``state_dict`` in place from a checkpoint; collective over the group.
 
     The target's layout may differ from the saved one (other world size,
@@ -205,7 +255,12 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         allow_pickle: unpickle values saved with ``allow_pickle=True``
             (runs code from the checkpoint: trusted checkpoints only).
         planner, storage, process_group, storage_options: as for
-            :func:`dcp.save`.
+            :func:`dcp.save`.  The default planner reads each region once
+            per replica group and broadcasts it
+            (``planners.load.DefaultLoadPlanner(broadcast=False)`` turns
+            that off).
+        max_inflight_bytes: bound on the broadcast buffers outstanding at
+            once on this rank, in bytes (default 256 MiB).
 
     Raises:
         NotACheckpointError: nothing committed at ``checkpoint_id``.
@@ -218,5 +273,6 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("load")
-    job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast, allow_pickle)
+    job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
+                allow_pickle, max_inflight_bytes)
     return job.run(str(checkpoint_id))

@@ -80,23 +80,52 @@ class ReadRequest:
 
 @dataclass(frozen=True)
 class ReadItem:
-    """Read the box ``(offsets, sizes)`` (global coordinates) of chunk number
-    ``chunk`` of ``fqn`` into request number ``request`` of this rank."""
+    """Read the box ``(offsets, sizes)`` (global coordinates, ``nbytes``
+    long) of chunk number ``chunk`` of ``fqn`` into request number
+    ``request`` of this rank."""
 
     fqn: str
     request: int
     chunk: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One broadcast of regions read once from storage.
+
+    Rank ``src`` of the replica group ``ranks`` (ranks of the load's process
+    group) reads the regions and sends them to the other members.  ``items``
+    are this rank's own :class:`ReadItem` for them; every member lists the
+    same regions in the same order.
+    """
+
+    ranks: tuple[int, ...]
+    src: int
+    items: tuple[ReadItem, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
 
 
 @dataclass
 class LoadPlan:
-    """A rank's reads, and the keys that did not match the checkpoint."""
+    """A rank's reads, and the keys that did not match the checkpoint.
+
+    ``items`` are read from storage by this rank (those of transfers it is
+    the source of included); ``transfers`` are the broadcasts it takes part
+    in, in the order every member runs them; ``groups`` lists every replica
+    group of the load, which all ranks create in this order.
+    """
 
     items: list[ReadItem] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    groups: list[tuple[int, ...]] = field(default_factory=list)
 
 
 class LoadPlanner(abc.ABC):

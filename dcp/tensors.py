@@ -148,3 +148,24 @@ def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` into ``dest`` in place (casting dtype, moving device)."""
     with torch.no_grad():
         dest.copy_(src)
+
+
+def flat_bytes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bytes of contiguous host tensors, concatenated into one flat uint8
+    tensor on ``device`` (no copy for a single host part)."""
+    flat = [p.reshape(-1).view(torch.uint8) for p in parts]
+    out = flat[0] if len(flat) == 1 else torch.cat(flat)
+    return out.to(device)
+
+
+def zeros_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` zeros on ``device``."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
+def from_bytes(flat: torch.Tensor, dtype: str, sizes: Sequence[int]) -> torch.Tensor:
+    """View flat uint8 bytes as a tensor of ``dtype`` and shape ``sizes``
+    (copied first if their offset is not aligned to the item size)."""
+    if flat.storage_offset() % DTYPE_ITEMSIZE[dtype]:
+        flat = flat.clone()
+    return flat.view(_DTYPES[dtype]).reshape(tuple(sizes))
