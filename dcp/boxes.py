@@ -14,20 +14,22 @@ import itertools
 import math
 from typing import Iterator, Sequence
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+import numpy as np
 
 
-def intersect(a_offsets: Sequence[int], a_sizes: Sequence[int],
-              b_offsets: Sequence[int], b_sizes: Sequence[int]) -> Box | None:
-    """The intersection of two boxes, or ``None`` if it holds no element."""
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_offsets, a_sizes, b_offsets, b_sizes):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
+
+def intersect_many(offsets: np.ndarray, sizes: np.ndarray, box_offsets: Sequence[int],
+                   box_sizes: Sequence[int]) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Intersect one box with many (int64 arrays ``[n, ndim]``) at once.
+
+    Returns the row numbers of the boxes that share elements with it, and
+    the intersections' offsets and sizes, as lists.
+    """
+    lo = np.maximum(offsets, np.asarray(box_offsets, dtype=np.int64))
+    hi = np.minimum(offsets + sizes, np.asarray(box_offsets, dtype=np.int64)
+                    + np.asarray(box_sizes, dtype=np.int64))
+    rows = np.flatnonzero(np.all(hi > lo, axis=1))
+    return rows.tolist(), lo[rows].tolist(), (hi - lo)[rows].tolist()
 
 
 def volume(sizes: Sequence[int]) -> int:

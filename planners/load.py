@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import zip_longest
 
-from dcp.boxes import intersect, volume
+from dcp.boxes import intersect_many, volume
 from dcp.errors import CheckpointError
 from dcp.metadata import DTYPE_ITEMSIZE, Metadata
 from dcp.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer
@@ -62,12 +62,14 @@ class DefaultLoadPlanner(LoadPlanner):
                     f"(pass allow_dtype_cast=True to cast)")
             found = 0
             itemsize = DTYPE_ITEMSIZE[saved.dtype]
-            for number, chunk in enumerate(saved.chunks):
-                box = intersect(req.offsets, req.sizes, chunk.offsets, chunk.sizes)
-                if box is not None:
-                    plan.items.append(ReadItem(req.fqn, index, number, *box,
-                                               volume(box[1]) * itemsize))
-                    found += volume(box[1])
+            table = saved.table()
+            if volume(req.sizes):
+                for number, offsets, sizes in zip(*intersect_many(
+                        table.offsets, table.sizes, req.offsets, req.sizes)):
+                    n = volume(sizes)
+                    plan.items.append(ReadItem(req.fqn, index, number, tuple(offsets),
+                                               tuple(sizes), n * itemsize))
+                    found += n
             if found != volume(req.sizes):
                 raise CheckpointError(
                     f"{req.fqn!r}: the checkpoint's chunks cover {found} of the "
