@@ -18,6 +18,7 @@ Phases (each a collective step, so a failure on any rank raises on all):
 from __future__ import annotations
 
 import pickle
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,8 +80,13 @@ class _Load:
     """State of one load on one rank."""
 
     def __init__(self, state_dict, storage, planner, coordinator, strict,
-                 allow_dtype_cast, allow_pickle, max_inflight_bytes) -> None:
+                 allow_dtype_cast, allow_pickle, max_inflight_bytes, verify) -> None:
+        if verify not in ("chunks", "all", "none"):
+            raise CheckpointError(f"verify must be 'chunks', 'all' or 'none', not {verify!r}")
         self.max_inflight_bytes = max_inflight_bytes
+        self.verify = verify
+        self.bytes_read = 0
+        self.lock = threading.Lock()
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
@@ -118,13 +124,14 @@ class _Load:
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
             # reads feeding broadcasts first, in the order the broadcasts run
             reads = {item: pool.submit(self._read_item, item) for item in sourced}
-            own = [pool.submit(lambda items: sum(self._read_item(i).nbytes for i in items), items)
+            own = [pool.submit(lambda items: [self._read_item(i) for i in items], items)
                    for items in by_file.values()]
             if plan.transfers:
                 self._run_transfers(plan, reads)
-            total = sum(f.result() for f in own)
-            total += sum(f.result().nbytes for f in reads.values())
-        return total + self._load_objects()
+            for future in [*own, *reads.values()]:
+                future.result()
+        self._load_objects()
+        return self.bytes_read
 
     def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
         """Send what this rank read, receive the rest; a failure is raised
@@ -173,12 +180,31 @@ class _Load:
         saved = self.metadata.tensors[item.fqn]
         chunk = saved.chunks[item.chunk]
         dest = self._target_region(item)
-        direct = tensors.is_direct_target(dest, saved.dtype)
-        buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
+        whole = item.sizes == chunk.sizes
+        if not whole and self.verify == "all":
+            buf = tensors.empty_host(chunk.sizes, saved.dtype)
+            self._read_box(item, chunk, chunk.offsets, chunk.sizes, buf, check=True)
+            buf = tensors.region(buf, [o - c for o, c in zip(item.offsets, chunk.offsets)],
+                                 item.sizes).contiguous()
+        elif tensors.is_direct_target(dest, saved.dtype):
+            self._read_box(item, chunk, item.offsets, item.sizes, dest,
+                           check=whole and self.verify != "none")
+            return dest
+        else:
+            buf = tensors.empty_host(item.sizes, saved.dtype)
+            self._read_box(item, chunk, item.offsets, item.sizes, buf,
+                           check=whole and self.verify != "none")
+        tensors.copy_into(dest, buf)
+        return buf
+
+    def _read_box(self, item: ReadItem, chunk, offsets, sizes, buf, check: bool) -> None:
+        """Read the box ``(offsets, sizes)`` of ``chunk`` into the contiguous
+        host tensor ``buf``, then verify the chunk's CRC-32 if ``check``."""
         view = tensors.byte_view(buf)
-        rel = [o - c for o, c in zip(item.offsets, chunk.offsets)]
+        rel = [o - c for o, c in zip(offsets, chunk.offsets)]
+        itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[item.fqn].dtype]
         ranges, pos = [], 0
-        for start, length in byte_runs(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype]):
+        for start, length in byte_runs(chunk.sizes, rel, sizes, itemsize):
             ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
             pos += length
         try:
@@ -187,17 +213,15 @@ class _Load:
             raise CorruptCheckpointError(
                 f"{item.fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                 f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
-        if item.sizes == chunk.sizes and checksum(view) != chunk.checksum:
+        with self.lock:
+            self.bytes_read += pos
+        if check and chunk.checksum is not None and checksum(view) != chunk.checksum:
             raise CorruptCheckpointError(
                 f"{item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                 f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                 f"{chunk.file!r}): the checkpoint is corrupted")
-        if not direct:
-            tensors.copy_into(dest, buf)
-        return buf
 
-    def _load_objects(self) -> int:
-        total = 0
+    def _load_objects(self) -> None:
         for fqn in self.objects:
             saved = self.metadata.objects.get(fqn)
             if saved is None:
@@ -218,9 +242,8 @@ class _Load:
                     raise CorruptCheckpointError(
                         f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
                 value = pickle.loads(blob)  # opted in by allow_pickle=True
-                total += ref.nbytes
+                self.bytes_read += ref.nbytes
             self.leaves[fqn].replace(fqn, value)
-        return total
 
     def run(self, checkpoint_id: str) -> LoadReport:
         data = self.coord.broadcast("load: reading metadata",
@@ -236,7 +259,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
          allow_dtype_cast: bool = False, allow_pickle: bool = False,
          planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
          process_group=None, storage_options: dict | None = None,
-         max_inflight_bytes: int = 256 << 20) -> LoadReport:
+         max_inflight_bytes: int = 256 << 20, verify: str = "chunks") -> LoadReport:
     """Fill ``state_dict`` in place from a checkpoint; collective over the group.
 
     The target's layout may differ from the saved one (other world size,
@@ -261,6 +284,11 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             that off).
         max_inflight_bytes: bound on the broadcast buffers outstanding at
             once on this rank, in bytes (default 256 MiB).
+        verify: which reads are checked against the chunks' CRC-32:
+            ``"chunks"`` every read of a whole chunk (a resharded read of
+            part of a chunk is not: that would need the rest of the chunk);
+            ``"all"`` every byte, reading whole chunks where parts are
+            needed; ``"none"`` nothing.
 
     Raises:
         NotACheckpointError: nothing committed at ``checkpoint_id``.
@@ -274,5 +302,5 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("load")
     job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
-                allow_pickle, max_inflight_bytes)
+                allow_pickle, max_inflight_bytes, verify)
     return job.run(str(checkpoint_id))

@@ -1,0 +1,154 @@
+"""Small shared helpers for the dcp tests (comparison, deterministic data, files)."""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from storage_plugins.posix import PosixStorage
+
+ALL_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+def random_tensor(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    """Deterministic tensor (same on every rank for the same seed).
+
+    Floating / complex dtypes get *random bit patterns*, so NaNs, infinities,
+    denormals and negative zeros occur: comparisons must be bitwise."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape)
+    raw = torch.randint(0, 256, (n * itemsize,), generator=g, dtype=torch.uint8)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def randn(shape, seed=0, dtype=torch.float32) -> torch.Tensor:
+    """Deterministic normal values (finite), for tests that do arithmetic."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g).to(dtype)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in logical (row-major) element order."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same shape, same dtype, same bits for every element (NaN-safe)."""
+    prefix = f"{what}: " if what else ""
+    assert isinstance(actual, torch.Tensor), f"{prefix}expected a tensor, got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    if not torch.equal(bits(actual), bits(expected)):
+        a, e = bits(actual), bits(expected)
+        first = int((a != e).nonzero()[0]) if a.numel() else -1
+        raise AssertionError(
+            f"{prefix}{int((a != e).sum())} of {a.numel()} bytes differ (first at byte {first})"
+        )
+
+
+def data_bytes_on_disk(ckpt: Path) -> int:
+    """Sum of the sizes of all ``*.data`` files under a checkpoint directory."""
+    return sum(p.stat().st_size for p in Path(ckpt).rglob("*.data"))
+
+
+def assert_names(msg: str, *needles: str) -> None:
+    for n in needles:
+        assert n in msg, f"error message does not name {n!r}: {msg!r}"
+
+
+def shape_pattern(shape) -> str:
+    """Regex matching a shape printed as (4, 6), [4, 6], torch.Size([4, 6]) or 4x6."""
+    return r"[\(\[]?\s*" + r"\s*(?:,|x)\s*".join(str(s) for s in shape) + r"\s*[\)\]]?"
+
+
+def mentions_shape(msg: str, shape) -> bool:
+    return re.search(r"(?<![\d])" + shape_pattern(shape) + r"(?![\d])", msg) is not None
+
+
+# ------------------------------------------------------ storage fault injection
+class FailingStorage(PosixStorage):
+    """Raises ``OSError`` on the ``fail_on``-th ``write_file`` call (0: never).
+
+    ``write_file`` runs in the save's writer threads, so the error starts in
+    one of them."""
+
+    def __init__(self, *args, fail_on: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_on = fail_on
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.failed_name = None
+        self.failed_in_thread = None
+
+    def write_file(self, name, buffers):
+        with self.lock:
+            self.calls += 1
+            n = self.calls
+        if n == self.fail_on:
+            self.failed_name = name
+            self.failed_in_thread = threading.current_thread().name
+            raise OSError(28, "injected: no space left on device", name)
+        return super().write_file(name, buffers)
+
+
+# --------------------------------------------------------------- DTensor
+def placements_of(spec: str):
+    """'S0' -> Shard(0), 'S1' -> Shard(1), 'R' -> Replicate(); 'S0,S1' for 2-D meshes."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for p in spec.split(","):
+        p = p.strip()
+        out.append(Replicate() if p == "R" else Shard(int(p[1:])))
+    return out
+
+
+def make_dtensor(full: torch.Tensor, mesh, placements):
+    """The DTensor with ``placements`` whose global value is ``full`` (which must
+    be identical on every rank; no communication: every rank slices its own
+    shard, so any dtype works over gloo)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(placements, str):
+        placements = placements_of(placements)
+    return distribute_tensor(full, mesh, placements, src_data_rank=None)
+
+
+def zeros_dtensor(shape, dtype, mesh, placements):
+    return make_dtensor(torch.zeros(shape, dtype=dtype), mesh, placements)
+
+
+def assert_dtensor_equals_full(actual, full: torch.Tensor, what: str = "") -> None:
+    """``actual``'s local shard is exactly the part of ``full`` it should hold."""
+    expected = make_dtensor(full, actual.device_mesh, list(actual.placements))
+    assert tuple(actual.shape) == tuple(full.shape), f"{what}: global shape {tuple(actual.shape)}"
+    assert_bitwise_equal(actual.to_local(), expected.to_local(), what)
