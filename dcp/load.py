@@ -4,15 +4,20 @@ Phases (each a collective step, so a failure on any rank raises on all):
 
 1. the coordinator reads the committed metadata once and broadcasts its bytes;
 2. every rank matches its state dict against it and the load planner turns
-   each needed box into reads of chunk intersections (global plan: the
-   planner's, by default each rank reads for itself);
+   each needed box into reads of chunk intersections; the global plan picks
+   one reader for each region several ranks need (see ``planners.load``);
 3. every rank reads, in parallel over files, only the byte runs of its
    intersections — straight into the target tensor when its memory layout
    allows, else into a host buffer that is then copied (and cast, if
-   allowed) into the target — and verifies the CRC-32 of every read that
-   covers a whole chunk.  A read of part of a chunk cannot be checked against
-   the chunk's checksum without reading the rest; ``hyperdcp verify`` checks
-   everything.
+   allowed) into the target — and broadcasts what it read for others
+   (:mod:`dcp.broadcast`) while it reads on.
+
+CRC-32C checksums are verified as ``verify`` says: ``"chunks"`` (default)
+checks every read that covers a whole chunk — a read of part of a chunk
+cannot be checked without reading the rest of it, and reading only the
+needed bytes is the point of resharding; ``"all"`` reads whole chunks where
+parts are needed, so every loaded byte is checked; ``"none"`` checks
+nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
                   storage_options: dict | None = None) -> Metadata:
     """The :class:`~dcp.Metadata` of a committed checkpoint (local call, no
     collectives): every tensor's global shape, dtype and chunks (global
-    offsets and sizes, file, byte range, CRC-32, writing rank), and every
+    offsets and sizes, file, byte range, CRC-32C, writing rank), and every
     non-tensor value.
 
     Raises:
@@ -199,7 +204,7 @@ class _Load:
 
     def _read_box(self, item: ReadItem, chunk, offsets, sizes, buf, check: bool) -> None:
         """Read the box ``(offsets, sizes)`` of ``chunk`` into the contiguous
-        host tensor ``buf``, then verify the chunk's CRC-32 if ``check``."""
+        host tensor ``buf``, then verify the chunk's CRC-32C if ``check``."""
         view = tensors.byte_view(buf)
         rel = [o - c for o, c in zip(offsets, chunk.offsets)]
         itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[item.fqn].dtype]
@@ -284,7 +289,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             that off).
         max_inflight_bytes: bound on the broadcast buffers outstanding at
             once on this rank, in bytes (default 256 MiB).
-        verify: which reads are checked against the chunks' CRC-32:
+        verify: which reads are checked against the chunks' CRC-32C:
             ``"chunks"`` every read of a whole chunk (a resharded read of
             part of a chunk is not: that would need the rest of the chunk);
             ``"all"`` every byte, reading whole chunks where parts are

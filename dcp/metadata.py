@@ -3,7 +3,7 @@
 Metadata is the contract between save and load.  For every tensor it records
 the global shape and dtype, and for every saved chunk its global offsets and
 sizes, the data file and byte range holding it (row-major, C order), the
-writing rank and a CRC-32 checksum of its bytes.  Non-tensor values are stored
+writing rank and a CRC-32C checksum of its bytes.  Non-tensor values are stored
 inline as JSON, or (only when the caller opted in) as pickled bytes in a data
 file.
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import math
 import base64
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import numpy as np
 import zstandard
 
@@ -30,7 +30,10 @@ from dcp.errors import CorruptCheckpointError
 FORMAT = "hyperdcp"
 VERSION = 1
 METADATA_FILE = "metadata.json"
-CHECKSUM = "crc32"
+CHECKSUM = "crc32c"
+#: The chunk table's checksum for a chunk that has none (``ChunkMeta.checksum
+#: is None``); CRC-32C values are never negative.
+NO_CHECKSUM = -1
 
 # Item sizes in bytes of the dtypes a checkpoint may hold: every byte-sized
 # dtype of safetensors (named as in torch).
@@ -45,11 +48,14 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 
 
 def checksum(buffer, value: int = 0) -> int:
-    """CRC-32 of ``buffer`` (any buffer-protocol object), continuing ``value``.
+    """CRC-32C (Castagnoli) of ``buffer`` (any buffer-protocol object),
+    continuing ``value``.
 
-    zlib releases the GIL on large buffers, so writer threads hash in parallel.
+    CRC-32C is the checksum of iSCSI, ext4 and cloud object stores; the
+    ``crc32c`` library computes it with the CPU's CRC instructions at several
+    GB/s, releasing the GIL (zlib's CRC-32 runs at about 1.3 GB/s here).
     """
-    return zlib.crc32(buffer, value)
+    return crc32c.crc32c(buffer, value)
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class ChunkMeta:
 
     ``offsets``/``sizes`` are in elements, global coordinates; the bytes
     ``[byte_offset, byte_offset + nbytes)`` of ``file`` hold it in row-major
-    order; ``checksum`` is their CRC-32, or ``None`` where none was recorded
+    order; ``checksum`` is their CRC-32C, or ``None`` where none was recorded
     (chunks of a foreign format presented as a checkpoint, such as a
     safetensors folder: see :mod:`dcp.safetensors_io`); ``rank`` wrote it.
     """
@@ -138,7 +144,8 @@ class TensorMeta:
 class _ChunkTable:
     """Chunks of one tensor as columns: ``offsets``/``sizes`` int64
     ``[n, ndim]``; ``file`` int64 ``[n]`` indexing ``files``;
-    ``byte_offset``, ``checksum``, ``rank`` int64 ``[n]``."""
+    ``byte_offset``, ``checksum``, ``rank`` int64 ``[n]`` (``checksum``
+    :data:`NO_CHECKSUM` for a chunk without one)."""
 
     offsets: np.ndarray
     sizes: np.ndarray
@@ -158,13 +165,15 @@ class _ChunkTable:
             sizes=np.array([c.sizes for c in chunks], dtype=np.int64).reshape(n, ndim),
             file=np.array([index[c.file] for c in chunks], dtype=np.int64),
             byte_offset=np.array([c.byte_offset for c in chunks], dtype=np.int64),
-            checksum=np.array([c.checksum for c in chunks], dtype=np.int64),
+            checksum=np.array([NO_CHECKSUM if c.checksum is None else c.checksum for c in chunks],
+                              dtype=np.int64),
             rank=np.array([c.rank for c in chunks], dtype=np.int64),
             files=files)
 
     def rows(self, itemsize: int) -> list[ChunkMeta]:
         files = self.files
-        return [ChunkMeta(tuple(o), tuple(s), files[f], b, math.prod(s) * itemsize, c, r)
+        return [ChunkMeta(tuple(o), tuple(s), files[f], b, math.prod(s) * itemsize,
+                          None if c == NO_CHECKSUM else c, r)
                 for o, s, f, b, c, r in zip(
                     self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
                     self.byte_offset.tolist(), self.checksum.tolist(), self.rank.tolist())]
@@ -239,8 +248,8 @@ def encode(md: Metadata) -> bytes:
     The document names every tensor with its shape, dtype and its rows
     ``[start, count]`` in one chunk table shared by all tensors.  The table
     is columnar: each column (``offsets`` and ``sizes`` flattened row-major,
-    ``file`` indexing the ``files`` list, ``byte_offset``, ``checksum``,
-    ``rank``) is little-endian int64, zstd-compressed, base64-encoded — about
+    ``file`` indexing the ``files`` list, ``byte_offset``, ``checksum``
+    (-1: none), ``rank``) is little-endian int64, zstd-compressed, base64-encoded — about
     25 bytes per chunk, so a million chunks decode in a fraction of a second.
     """
     files = sorted(md.files())
@@ -383,11 +392,11 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
                for name in _COLUMNS}
     if rows and not (columns["file"].min() >= 0 and columns["file"].max() < len(files)):
         _fail(where, f"a chunk names a file index outside the {len(files)} files")
-    for name in ("byte_offset", "checksum", "rank", "offsets", "sizes"):
+    for name in ("byte_offset", "rank", "offsets", "sizes"):
         if len(columns[name]) and not (columns[name].min() >= 0 and columns[name].max() < 2**62):
             _fail(where, f"chunk_table.{name} holds a value outside [0, 2**62)")
-    if rows and columns["checksum"].max() >= 2**32:
-        _fail(where, "chunk_table.checksum holds a value that is not a CRC-32")
+    if rows and not (columns["checksum"].min() >= NO_CHECKSUM and columns["checksum"].max() < 2**32):
+        _fail(where, "chunk_table.checksum holds a value that is not a CRC-32C (or -1: none)")
 
     md = Metadata(save_id=save_id, world_size=world_size, version=version)
     for fqn, shape, dtype, start, count, dim0 in entries:

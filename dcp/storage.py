@@ -31,7 +31,7 @@ INSTALL_HINTS = {
 }
 
 _EXCHANGE_MAGIC = b"DCPX"
-_EXCHANGE_TRAILER = struct.Struct("<4sQI")  # magic, payload length, CRC-32
+_EXCHANGE_TRAILER = struct.Struct("<4sQI")  # magic, payload length, CRC-32C
 
 
 class StoragePlugin(abc.ABC):
@@ -91,7 +91,7 @@ class StoragePlugin(abc.ABC):
 
     def write_exchange(self, name: str, payload: bytes) -> None:
         """Write a small exchange file that ends with a completion flag (a
-        trailer holding a magic number, the payload length and its CRC-32)."""
+        trailer holding a magic number, the payload length and its CRC-32C)."""
         trailer = _EXCHANGE_TRAILER.pack(_EXCHANGE_MAGIC, len(payload), checksum(payload))
         self.write_file(name, [payload, trailer])
 

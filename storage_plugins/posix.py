@@ -56,13 +56,15 @@ class PosixStorage(StoragePlugin):
         fd = os.open(self._path(name), os.O_RDONLY)
         try:
             for offset, buf in ranges:
-                view = memoryview(buf).cast("B")
-                while view:
-                    n = os.preadv(fd, [view], offset)
-                    if n == 0:
-                        raise EOFError(f"{self._path(name)} ends at byte {offset}, before "
-                                       f"{len(view)} more bytes it should hold")
-                    view, offset = view[n:], offset + n
+                if os.preadv(fd, [buf], offset) != len(buf):  # short read: finish it
+                    view = memoryview(buf).cast("B")
+                    done = 0
+                    while done < len(view):
+                        n = os.preadv(fd, [view[done:]], offset + done)
+                        if n == 0:
+                            raise EOFError(f"{self._path(name)} ends before byte "
+                                           f"{offset + len(view)} (truncated)")
+                        done += n
         finally:
             os.close(fd)
 
