@@ -9,6 +9,7 @@ PIP = $(PY) -m pip install -q --disable-pip-version-check
 install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'
+	$(PIP) -e tests/plugin_pkg
 
 demo: install
 	$(PY) -m dcp demo

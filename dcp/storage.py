@@ -5,7 +5,8 @@ directory, a bucket prefix, ...).  Names passed to it are relative,
 ``/``-separated paths.  Plugins are found through the ``dcp.storage_plugins``
 entry-point group, which maps a URI scheme to a class — the built-in ones are
 registered there exactly like a third party's (the lazy registry is modelled
-on fsspec's, install hints included).  A plain path means ``file``.
+on fsspec's, install hints included).  A plain path means ``file``; any
+other URL fsspec understands falls back to the generic ``fsspec`` plugin.
 
 Plugins raise ``OSError`` (or any exception) on failure; the core turns it
 into a :class:`~dcp.errors.CheckpointError` naming the rank and file.
@@ -14,15 +15,20 @@ into a :class:`~dcp.errors.CheckpointError` naming the rank and file.
 from __future__ import annotations
 
 import abc
+import functools
 import struct
 from importlib.metadata import entry_points
 from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
+import fsspec
+
 from dcp.errors import CheckpointError
 from dcp.metadata import checksum
 
 ENTRY_POINT_GROUP = "dcp.storage_plugins"
+#: The entry-point name of the generic plugin for any other fsspec URL.
+FSSPEC_FALLBACK = "fsspec"
 
 # Schemes served by optional packages: what to install when one is missing.
 INSTALL_HINTS = {
@@ -117,19 +123,26 @@ def scheme_of(checkpoint_id: str) -> str:
     return scheme or "file"
 
 
+@functools.cache
 def installed_schemes() -> dict[str, object]:
-    """Scheme -> entry point of every installed storage plugin."""
+    """Scheme -> entry point of every installed storage plugin (scanned once
+    per process)."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     """Instantiate the plugin registered for ``checkpoint_id``'s scheme.
 
-    Raises :class:`CheckpointError` for an unknown scheme, listing the
-    installed schemes and, for known optional backends, what to install.
+    A scheme without a plugin of its own that fsspec knows (``gs``, ``abfs``,
+    ...) goes to the plugin registered under the name ``fsspec``, the
+    generic one.  Raises :class:`CheckpointError` for an unknown scheme,
+    listing the installed schemes and, for known optional backends, what to
+    install.
     """
     scheme = scheme_of(str(checkpoint_id))
     plugins = installed_schemes()
+    if scheme not in plugins and FSSPEC_FALLBACK in plugins and scheme in fsspec.available_protocols():
+        scheme = FSSPEC_FALLBACK
     if scheme not in plugins:
         hint = f"; install {INSTALL_HINTS[scheme]} for it" if scheme in INSTALL_HINTS else ""
         raise CheckpointError(

@@ -1,0 +1,132 @@
+"""S3 and S3-compatible object stores (``s3://bucket/prefix`` URLs), on s3fs.
+
+* Writes: a file of at most ``part_size`` bytes is one PUT.  A larger one is
+  a multipart upload whose parts are cut from the tensors' memory one at a
+  time, ``max_concurrency`` of them in flight (so a rank holds at most that
+  many part copies, never a copy of the whole file), and is aborted on any
+  exception, ``KeyboardInterrupt`` included: S3 publishes an object only when
+  its upload completes, so a failed or interrupted write leaves no object,
+  truncated or otherwise.  (An upload cut off by a killed process is never
+  completed and stays invisible; a bucket lifecycle rule
+  ``AbortIncompleteMultipartUpload`` reclaims its parts.)  A write returns
+  only once S3 has acknowledged the whole object.
+* Commit: ``metadata.json`` is written last with ``If-None-Match: *`` unless
+  overwriting, so of two committers exactly one wins; the other gets
+  ``FileExistsError``.  (A retried create whose first answer was lost finds
+  its own object; the stored bytes show the commit is its own.)
+* Reads: ranged GETs, ``max_concurrency`` per call, none above ``part_size``.
+* Listings and existence checks always ask S3 (no listings cache), so a rank
+  sees the objects other ranks have just written.
+* Transient errors (5xx, throttling, connection resets and timeouts) are
+  retried by botocore's ``standard`` retry mode — exponential backoff with
+  jitter, at most ``max_attempts`` attempts per request — below s3fs's own
+  bounded retries of connection errors.
+
+Options (``storage_options``, all JSON-representable so they can live in a
+config file): the :class:`~storage_plugins.fsspec_store.FsspecStorage` ones
+(``thread_count``, ``part_size``, ``max_concurrency``), ``max_attempts``
+(default 5), and any ``s3fs.S3FileSystem`` argument, e.g. ``endpoint_url``,
+``profile``, ``key``/``secret``/``token``, ``client_kwargs``
+(``{"region_name": ...}``), ``config_kwargs`` (merged over the retry and
+connection-pool defaults).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Iterable, Sequence
+
+import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
+from fsspec.asyn import sync
+
+from storage_plugins.fsspec_store import MiB, FsspecStorage, named
+
+
+class S3Storage(FsspecStorage):
+    """A checkpoint under an ``s3://bucket/prefix`` URL (the bucket must exist)."""
+
+    fs: s3fs.S3FileSystem
+
+    def __init__(self, checkpoint_id: str, *, thread_count: int = 4, part_size: int = 16 * MiB,
+                 max_concurrency: int = 10, max_attempts: int = 5, **s3_options) -> None:
+        self.max_attempts = int(max_attempts)
+        super().__init__(checkpoint_id, thread_count=thread_count, part_size=part_size,
+                         max_concurrency=max_concurrency, **s3_options)
+
+    def filesystem_options(self, options: dict) -> dict:
+        config = {"retries": {"total_max_attempts": self.max_attempts, "mode": "standard"},
+                  "max_pool_connections": self.thread_count * self.max_concurrency,
+                  **options.get("config_kwargs", {})}
+        return {**super().filesystem_options(options), "config_kwargs": config,
+                "max_concurrency": self.max_concurrency}
+
+    def write_file(self, name: str, buffers: Sequence[memoryview | bytes]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        size = sum(len(v) for v in views)
+        try:
+            if size <= self.part_size:
+                self.fs.pipe_file(self.path(name), b"".join(views))
+            else:
+                self._multipart(name, views, size)
+        except OSError as e:
+            raise named(e, self.url(name)) from e
+
+    def _multipart(self, name: str, views: list[memoryview], size: int) -> None:
+        """Upload ``views`` as one object in parts; abort on any failure."""
+        bucket, key, _ = self.fs.split_path(self.path(name))
+        upload = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        try:
+            parts = sync(self.fs.loop, self._upload_parts, bucket, key, upload, views, size)
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                            MultipartUpload={"Parts": parts})
+        except BaseException:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            except Exception as abort_error:  # the upload stays invisible; the first error wins
+                warnings.warn(f"aborting multipart upload {upload} of {self.url(name)} failed "
+                              f"({abort_error}); its parts stay until a lifecycle rule removes "
+                              f"them", stacklevel=2)
+            raise
+
+    async def _upload_parts(self, bucket: str, key: str, upload: str,
+                            views: list[memoryview], size: int) -> list[dict]:
+        """Send every part, ``max_concurrency`` at a time; on a failure cancel
+        the others before raising."""
+        slots = asyncio.Semaphore(self.max_concurrency)
+
+        async def send(number: int, start: int) -> dict:
+            async with slots:
+                body = _slice(views, start, min(start + self.part_size, size))
+                out = await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                             PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        tasks = [asyncio.ensure_future(send(n, start))
+                 for n, start in enumerate(range(0, size, self.part_size), 1)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    def delete(self, names: Iterable[str]) -> None:
+        paths = [self.path(n) for n in names]
+        if paths:
+            try:
+                self.fs.rm(paths)  # DeleteObjects, 1000 keys a request; missing keys are no error
+            except FileNotFoundError:  # no such bucket: nothing to delete
+                pass
+
+
+def _slice(views: list[memoryview], start: int, stop: int) -> bytes:
+    """Bytes ``start:stop`` of the concatenation of ``views``."""
+    pieces, pos = [], 0
+    for view in views:
+        end = pos + len(view)
+        if end > start and pos < stop:
+            pieces.append(view[max(start - pos, 0):min(stop, end) - pos])
+        pos = end
+    return b"".join(pieces)

@@ -1,0 +1,173 @@
+"""Plugin discovery (entry points only, install hints), the third-party
+example plugin, the in-memory and shared-memory plugins, and the plugin
+author's guide."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import dcp
+from dcp.metadata import METADATA_FILE
+from dcp.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
+from dist_harness import dist_scenario
+from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
+from storage_plugins.shm import DEFAULT_ROOT, ShmStorage
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BUILT_IN = {
+    "file": "storage_plugins.posix:PosixStorage",
+    "s3": "storage_plugins.s3:S3Storage",
+    "memory": "storage_plugins.memory:MemoryStorage",
+    "shm": "storage_plugins.shm:ShmStorage",
+    "fsspec": "storage_plugins.fsspec_store:FsspecStorage",  # any other fsspec URL
+}
+
+
+# --------------------------------------------------------------- discovery
+def test_built_in_plugins_are_entry_points():
+    schemes = installed_schemes()
+    for scheme, target in BUILT_IN.items():
+        assert schemes[scheme].value == target, scheme
+        assert schemes[scheme].group == ENTRY_POINT_GROUP
+        assert schemes[scheme].dist.name == "hyperdcp", scheme
+
+
+def test_unknown_scheme_lists_installed_schemes():
+    with pytest.raises(dcp.CheckpointError) as info:
+        dcp.save({"x": torch.ones(1)}, "nosuch://bucket/ckpt")
+    message = str(info.value)
+    assert "'nosuch'" in message and "nosuch://bucket/ckpt" in message
+    assert f"installed: {', '.join(sorted(installed_schemes()))};" in message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+def test_other_fsspec_url_falls_back_to_the_generic_plugin_naming_the_missing_package():
+    with pytest.raises(dcp.CheckpointError) as info:
+        dcp.load({"x": torch.ones(1)}, "gs://bucket/ckpt")
+    assert "gs://bucket/ckpt" in str(info.value) and "gcsfs" in str(info.value)
+
+
+def test_s3_without_s3fs_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
+    monkeypatch.delitem(sys.modules, "storage_plugins.s3", raising=False)
+    with pytest.raises(dcp.CheckpointError) as info:
+        open_storage("s3://bucket/ckpt")
+    assert "s3fs" in str(info.value) and "hyperdcp[s3]" in str(info.value)
+
+
+def test_bad_transfer_options_are_refused():
+    with pytest.raises(dcp.CheckpointError, match="part_size and max_concurrency must be positive"):
+        open_storage("memory://bad", part_size=0)
+
+
+# ------------------------------------------------------ third-party plugin
+def test_third_party_plugin_used_by_scheme_alone(tmp_path):
+    """tests/plugin_pkg, pip-installed by the test set-up: dcp.save and
+    dcp.load find it through its entry point, with no registration."""
+    assert installed_schemes()["sqlite"].dist.name == "hyperdcp-sqlite-example"
+    url = f"sqlite://{tmp_path}/run/ckpt.db"
+    state = {"w": random_tensor((6, 5), torch.float16, seed=1), "step": 9}
+    md = dcp.save(state, url)
+    assert (tmp_path / "run" / "ckpt.db").is_file()
+    assert dcp.read_metadata(url).tensors["w"].shape == md.tensors["w"].shape == (6, 5)
+    target = {"w": torch.zeros(6, 5, dtype=torch.float16), "step": 0}
+    dcp.load(target, url)
+    assert_bitwise_equal(target["w"], state["w"], "w")
+    assert target["step"] == 9
+    assert sorted(open_storage(url).list_files()) == sorted(md.files() | {METADATA_FILE})
+
+
+def test_guide_shows_the_example_plugin_verbatim():
+    guide = (ROOT / "docs" / "plugin-authors.md").read_text()
+    blocks = re.findall(r"<!-- (tests/plugin_pkg/\S+) -->\n```\w+\n(.*?)```", guide, re.S)
+    assert [path for path, _ in blocks] == ["tests/plugin_pkg/dcp_sqlite.py",
+                                            "tests/plugin_pkg/pyproject.toml"]
+    for path, text in blocks:
+        assert text == (ROOT / path).read_text(), f"{path} differs from the guide"
+
+
+# -------------------------------------------------------------- memory://
+def test_memory_checkpoint_is_in_fsspec_memory():
+    url = "memory://plugins-test/ckpt"
+    md = dcp.save({"w": torch.arange(5.0)}, url)
+    memory = fsspec.filesystem("memory")
+    assert sorted(memory.find("/plugins-test/ckpt")) == sorted(
+        f"/plugins-test/ckpt/{name}" for name in md.files() | {METADATA_FILE})
+    storage = open_storage(url)
+    storage.delete(storage.list_files())
+    assert memory.find("/plugins-test/ckpt") == []
+
+
+# ----------------------------------------------------------------- shm://
+def test_shm_checkpoint_lives_under_dev_shm(tmp_path):
+    storage = open_storage("shm://plugins-test-a/ckpt")
+    assert isinstance(storage, ShmStorage)
+    assert storage.root == Path(DEFAULT_ROOT) / "plugins-test-a" / "ckpt"
+    assert (storage.fsync, storage.thread_count) == (False, 4)
+    custom = open_storage("shm://run/ckpt", root=str(tmp_path), thread_count=2)
+    assert (custom.root, custom.thread_count) == (tmp_path / "run" / "ckpt", 2)
+    md = dcp.save({"w": torch.arange(4.0)}, "shm://run/ckpt", storage_options={"root": str(tmp_path)})
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == sorted(
+        md.files() | {METADATA_FILE})
+
+
+@pytest.mark.parametrize("bad", ["shm://", "shm:///abs/path", "shm://a/../../etc", "shm://.."])
+def test_shm_refuses_ids_outside_its_root(bad):
+    with pytest.raises(dcp.CheckpointError) as info:
+        open_storage(bad)
+    assert repr(bad) in str(info.value)
+
+
+def _shm_id(ctx) -> str:
+    """A shared-memory checkpoint id unique to this test session."""
+    return f"shm://tests-{hashlib.sha1(str(ctx.shared).encode()).hexdigest()[:12]}/ckpt"
+
+
+FULL = {"w": ((12, 8), torch.float32, 31), "h": ((6, 10), torch.bfloat16, 32)}
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_shm_save_by_2_processes(ctx):
+    """Two ranks (processes) save to shared memory and load it resharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = {k: random_tensor(shape, dtype, seed) for k, (shape, dtype, seed) in FULL.items()}
+    state = {k: make_dtensor(v, mesh, "S0") for k, v in full.items()} | {"step": 11}
+    dcp.save(state, _shm_id(ctx))
+    target = {k: zeros_dtensor(v.shape, v.dtype, mesh, "S1") for k, v in full.items()} | {"step": 0}
+    dcp.load(target, _shm_id(ctx))
+    for k, v in full.items():
+        assert_dtensor_equals_full(target[k], v, k)
+    assert target["step"] == 11
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_shm_survives_its_writers_and_loads_in_4_processes(ctx):
+    """The phase-0 group's processes have exited; their shared-memory
+    checkpoint is still there, and 4 new processes load it resharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    target = {k: zeros_dtensor(shape, dtype, mesh, "S1,S0") for k, (shape, dtype, _) in FULL.items()}
+    target["step"] = 0
+    dcp.load(target, _shm_id(ctx))
+    for k, (shape, dtype, seed) in FULL.items():
+        assert_dtensor_equals_full(target[k], random_tensor(shape, dtype, seed), k)
+    assert target["step"] == 11
+    ctx.barrier()
+    if ctx.rank == 0:
+        storage = open_storage(_shm_id(ctx))
+        storage.delete(storage.list_files())
+        assert storage.list_files() == []
+        for directory in (storage.root, storage.root.parent):
+            directory.rmdir()
