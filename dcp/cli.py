@@ -1,33 +1,129 @@
 """The ``hyperdcp`` command line.
 
-Subcommands:
+Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 
 * ``hyperdcp demo`` — the main job: a real multi-rank training run saved and
   resumed under another parallel layout (see :mod:`dcp.demo`).
-* ``hyperdcp inspect URI`` — tensors, shapes, dtypes, chunks and bytes of a
-  checkpoint (``--json`` for machine-readable output).
+* ``hyperdcp inspect URI`` — format and version, writing ranks, and every
+  tensor's shape, dtype, bytes, chunks and writers (``--chunks`` lists each
+  chunk; ``--json`` for machine-readable output).
+* ``hyperdcp verify URI`` — reads every stored byte and checks every
+  checksum; lists each damaged chunk or value by fqn and file.
+* ``hyperdcp diff A B`` — which tensors and values differ, and by how much.
+* ``hyperdcp convert SRC DST`` — between hyperdcp checkpoints, Hugging Face
+  safetensors (single file or sharded folder) and PyTorch DCP checkpoints;
+  the source format is detected.
 
-Exit codes: 0 success, 1 a checkpoint error (message on stderr), 2 bad usage.
+A URI is a path or any URI a storage plugin serves; ``-o [SCHEME:]KEY=VALUE``
+passes options to the plugins (with ``SCHEME:``, only to that scheme's).
+``inspect``, ``verify`` and ``diff`` also take a safetensors folder or file.
+Long work shows progress bars on stderr when it is a terminal (``--quiet``
+hides them).
+
+Exit codes:
+
+* 0 — success (``verify``: nothing damaged; ``diff``: no difference)
+* 1 — error, message on stderr (not a checkpoint, unreadable source, failed
+  conversion, ...)
+* 2 — bad usage
+* 3 — ``verify`` found damage (listed on stdout; a malformed metadata file
+  counts as damage)
+* 4 — ``diff``: the checkpoints differ (listed on stdout)
+* 130 — interrupted
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
-from dcp.errors import CheckpointError
+from tqdm import tqdm
+
+from dcp import safetensors_io, torch_dcp_io
+from dcp.diff import diff
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.load import read_metadata
+from dcp.metadata import CHECKSUM, METADATA_FILE
+from dcp.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
+from dcp.storage import open_storage, scheme_of
+from dcp.torch_dcp_io import TORCH_METADATA_FILE
+from dcp.verify import verify
+
+EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
+
+
+def _options(pairs: list[str]) -> dict[str | None, dict]:
+    """``[SCHEME:]KEY=VALUE`` pairs as plugin options, by scheme (``None``:
+    for every plugin).  A value is parsed as JSON (``8``, ``false``) when it
+    parses, else kept as a string."""
+    options: dict[str | None, dict] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        scheme, _, name = key.rpartition(":")
+        if not sep or not name:
+            raise CheckpointError(f"storage option {pair!r} is not [SCHEME:]KEY=VALUE")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        options.setdefault(scheme or None, {})[name] = parsed
+    return options
+
+
+def _options_for(uri: str, options: dict[str | None, dict]) -> dict:
+    """The options of ``uri``'s plugin: those for every plugin, then those
+    for its scheme."""
+    return {**options.get(None, {}), **options.get(scheme_of(uri), {})}
+
+
+def _detect(uri: str, options: dict[str | None, dict]) -> str:
+    """The format of what ``uri`` holds: one of :data:`FORMATS`."""
+    if uri.endswith(SUFFIX):
+        return "safetensors"
+    storage = open_storage(uri, **_options_for(uri, options))
+    if storage.exists(METADATA_FILE):
+        return "hyperdcp"
+    if storage.exists(TORCH_METADATA_FILE):
+        return "torch-dcp"
+    if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
+                                         for n in storage.list_files()):
+        return "safetensors"
+    raise NotACheckpointError(
+        f"{uri!r} holds no checkpoint: no {METADATA_FILE}, no PyTorch DCP {TORCH_METADATA_FILE}, "
+        f"no {SUFFIX} file")
+
+
+def _open(uri: str, options: dict[str | None, dict]):
+    """``(format, storage)`` for reading ``uri`` as a checkpoint."""
+    fmt = _detect(uri, options)
+    if fmt == "torch-dcp":
+        raise CheckpointError(
+            f"{uri!r} is a PyTorch DCP checkpoint, whose metadata is a pickle; convert it first "
+            f"(hyperdcp convert --trust-pickle {uri} DST), if you trust it")
+    if fmt == "safetensors":
+        return fmt, SafetensorsFolder(uri, **_options_for(uri, options))
+    return fmt, open_storage(uri, **_options_for(uri, options))
+
+
+def _progress(args) -> bool:
+    return not args.quiet and sys.stderr.isatty()
 
 
 def _inspect(args) -> int:
-    from dcp.load import read_metadata
-
-    md = read_metadata(args.uri)
+    fmt, storage = _open(args.uri, _options(args.option))
+    md = read_metadata(args.uri, storage=storage)
     if args.json:
         doc = {
-            "version": md.version, "save_id": md.save_id, "world_size": md.world_size,
-            "stored_bytes": md.stored_bytes, "unique_bytes": md.unique_bytes,
-            "tensors": {fqn: {"shape": list(t.shape), "dtype": t.dtype, "chunks": [
+            "format": fmt, "version": md.version, "save_id": md.save_id,
+            "world_size": md.world_size, "stored_bytes": md.stored_bytes,
+            "unique_bytes": md.unique_bytes, "files": sorted(md.files()),
+            "tensors": {fqn: {"shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
+                              "ranks": sorted({c.rank for c in t.chunks}), "chunks": [
                 {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
                  "byte_offset": c.byte_offset, "nbytes": c.nbytes, "checksum": c.checksum,
                  "rank": c.rank} for c in t.chunks]} for fqn, t in md.tensors.items()},
@@ -35,38 +131,219 @@ def _inspect(args) -> int:
         }
         print(json.dumps(doc, indent=1))
         return 0
-    print(f"checkpoint {args.uri}: format v{md.version}, saved by {md.world_size} rank(s), "
-          f"{len(md.tensors)} tensors, {md.stored_bytes} bytes stored, {len(md.files())} files")
+    what = (f"hyperdcp format v{md.version}, saved by {md.world_size} rank(s)" if fmt == "hyperdcp"
+            else "safetensors (no checksums)")
+    print(f"{args.uri}: {what}, {len(md.tensors)} tensors, {len(md.objects)} values, "
+          f"{md.stored_bytes} bytes stored ({tqdm.format_sizeof(md.stored_bytes, 'B', 1024)}), "
+          f"{len(md.files())} files")
     for fqn, t in md.tensors.items():
         ranks = sorted({c.rank for c in t.chunks})
         print(f"  {fqn}: {t.dtype}{list(t.shape)} {t.nbytes} B, {len(t.chunks)} chunk(s), "
               f"written by rank(s) {ranks}")
+        if args.chunks:
+            for c in t.chunks:
+                crc = "no checksum" if c.checksum is None else f"{CHECKSUM} {c.checksum:#010x}"
+                print(f"    at {list(c.offsets)} size {list(c.sizes)}: {c.file} "
+                      f"[{c.byte_offset}, {c.byte_offset + c.nbytes}) {crc}, rank {c.rank}")
     for fqn, o in md.objects.items():
         print(f"  {fqn}: {'<pickled>' if o.pickled else repr(o.value)[:80]}")
     return 0
 
 
-def _demo(args) -> int:
+def _verify(args) -> int:
+    try:
+        _, storage = _open(args.uri, _options(args.option))
+        report = verify(args.uri, storage=storage, progress=_progress(args))
+    except CorruptCheckpointError as e:
+        print(f"DAMAGED: {e}")
+        return EXIT_DAMAGED
+    for damage in report.damaged:
+        print(f"DAMAGED: {damage}")
+    note = (f", {report.unchecked} chunk(s) carry no checksum (read in full, not checkable)"
+            if report.unchecked else "")
+    print(f"{args.uri}: {report.checked} checksum(s) match, {len(report.damaged)} damaged, "
+          f"{report.nbytes} bytes read{note}")
+    return EXIT_DAMAGED if report.damaged else 0
+
+
+def _diff(args) -> int:
+    options = _options(args.option)
+    _, sa = _open(args.a, options)
+    _, sb = _open(args.b, options)
+    report = diff(args.a, args.b, storage_a=sa, storage_b=sb, progress=_progress(args))
+    if args.json:
+        print(json.dumps({
+            "same": report.same, "identical": report.identical,
+            "only_in_a": report.only_in_a, "only_in_b": report.only_in_b,
+            "tensors": [{"fqn": d.fqn, "problem": d.problem, "detail": d.detail,
+                         "differing": d.differing, "numel": d.numel, "max_abs": d.max_abs}
+                        for d in report.tensors],
+            "objects": report.objects}, indent=1))
+    else:
+        for fqn in report.only_in_a:
+            print(f"only in A: {fqn}")
+        for fqn in report.only_in_b:
+            print(f"only in B: {fqn}")
+        for d in report.tensors:
+            print(f"differs: {d}")
+        for fqn in report.objects:
+            print(f"differs: {fqn} (value)")
+        state = "same" if report.same else "different"
+        print(f"{state}: {report.identical} identical, {len(report.tensors) + len(report.objects)} "
+              f"differ, {len(report.only_in_a)} only in A, {len(report.only_in_b)} only in B")
+    return 0 if report.same else EXIT_DIFFERENT
+
+
+def _rename_map(path: str | None) -> dict[str, str] | None:
+    if path is None:
+        return None
+    try:
+        rename = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"--rename-map {path!r}: cannot read a JSON object ({e})") from None
+    if not isinstance(rename, dict) or not all(isinstance(v, str) for v in rename.values()):
+        raise CheckpointError(f"--rename-map {path!r}: must be a JSON object of old name -> new name")
+    return rename
+
+
+def _convert(args) -> int:
+    options = _options(args.option)
+    source = _detect(args.src, options)
+    target = args.to or ("hyperdcp" if source != "hyperdcp" else None)
+    if target is None:
+        print("hyperdcp convert: error: SRC is a hyperdcp checkpoint: say which format to write "
+              f"with --to ({', '.join(FORMATS[1:])})", file=sys.stderr)
+        return EXIT_USAGE
+    common = {"rename": _rename_map(args.rename_map), "overwrite": args.overwrite,
+              "progress": _progress(args)}
+    started = time.perf_counter()
+    src_options, dst_options = _options_for(args.src, options), _options_for(args.dst, options)
+    if (source, target) == ("safetensors", "hyperdcp"):
+        md = safetensors_io.safetensors_to_checkpoint(
+            args.src, args.dst, source_options=src_options, storage_options=dst_options, **common)
+        count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
+    elif (source, target) == ("torch-dcp", "hyperdcp"):
+        md = torch_dcp_io.torch_dcp_to_checkpoint(
+            args.src, args.dst, trusted=args.trust_pickle, allow_pickle=args.allow_pickle,
+            storage_options=dst_options, **common)
+        count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
+    elif (source, target) == ("hyperdcp", "safetensors"):
+        result = safetensors_io.checkpoint_to_safetensors(
+            args.src, args.dst, max_shard_size=args.max_shard_size, storage_options=src_options,
+            dest_options=dst_options, **common)
+        count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
+    elif (source, target) == ("hyperdcp", "torch-dcp"):
+        result = torch_dcp_io.checkpoint_to_torch_dcp(
+            args.src, args.dst, allow_pickle=args.allow_pickle, storage_options=src_options,
+            **common)
+        count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
+    else:
+        print(f"hyperdcp convert: error: cannot convert {source} to {target}; convert to hyperdcp "
+              f"first", file=sys.stderr)
+        return EXIT_USAGE
+    seconds = time.perf_counter() - started
+    print(f"converted {count} tensors ({nbytes} bytes) from {source} {args.src} to {target} "
+          f"{args.dst} in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 2**20:.0f} MiB/s)")
+    if skipped:
+        print(f"note: {target} holds tensors only; skipped {len(skipped)} value(s): "
+              f"{', '.join(skipped)}")
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
     from dcp import demo
 
-    return demo.main(args.demo_args)
+    return demo.main(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hyperdcp", description=__doc__.split("\n\n")[0],
+        epilog="exit codes: 0 ok, 1 error, 2 bad usage, 3 verify found damage, "
+               "4 diff found differences, 130 interrupted",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    # listed for --help only: main() hands "demo ..." to the demo's own parser
+    sub.add_parser("demo", help="train, checkpoint and resume under another layout "
+                                "(hyperdcp demo --help for its options)", add_help=False)
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--storage-option", dest="option", action="append", default=[],
+                        metavar="[SCHEME:]KEY=VALUE",
+                        help="option for the storage plugins, or with SCHEME: for that scheme's "
+                             "only (repeatable; VALUE parsed as JSON when it parses), e.g. "
+                             "-o thread_count=8 -o s3:endpoint_url=http://127.0.0.1:9000")
+    common.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bars (they show only when stderr is a terminal)")
+
+    p = sub.add_parser("inspect", parents=[common], help="list a checkpoint's tensors and chunks",
+                       description="Print a checkpoint's format version, writing ranks, and "
+                                   "every tensor's shape, dtype, bytes, chunks and writers. "
+                                   "URI may also be a safetensors folder or file. Exit 0, or 1 "
+                                   "on error.")
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-c", "--chunks", action="store_true",
+                   help="list every chunk: box, file, byte range, checksum, rank")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="check every checksum of a checkpoint",
+                       description="Read every stored byte and check every checksum; list each "
+                                   "damaged chunk or value (fqn, file, problem). Exit 0 if "
+                                   "nothing is damaged, 3 if something is, 1 on error.")
+    p.add_argument("uri", metavar="URI")
+    p.set_defaults(run=_verify)
+
+    p = sub.add_parser("diff", parents=[common], help="compare two checkpoints",
+                       description="List fqns present on one side only and tensors or values "
+                                   "that differ (bitwise), with how many elements differ and "
+                                   "the largest absolute difference. Exit 0 if the same, 4 if "
+                                   "different, 1 on error.")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_diff)
+
+    p = sub.add_parser("convert", parents=[common],
+                       help="convert between hyperdcp, safetensors and PyTorch DCP",
+                       description="Convert SRC (format detected: hyperdcp checkpoint, "
+                                   "safetensors folder or file, PyTorch DCP checkpoint) into "
+                                   "DST, streaming tensor by tensor. Exit 0, or 1 on error, 2 "
+                                   "on bad usage.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--to", choices=FORMATS,
+                   help="format to write (default: hyperdcp; required when SRC is hyperdcp)")
+    p.add_argument("--max-shard-size", default=safetensors_io.DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                   help="safetensors export: bytes of tensors per file, e.g. 5GB or 500MiB "
+                        "(default %(default)s)")
+    p.add_argument("--rename-map", metavar="FILE",
+                   help="JSON file mapping source names to destination names")
+    p.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="PyTorch DCP source: allow reading its pickled metadata and values, "
+                        "which can run code (only for checkpoints you trust)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="store non-JSON values pickled (import), or unpickle stored ones to "
+                        "hand to torch (export to torch-dcp)")
+    p.set_defaults(run=_convert)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="hyperdcp", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="train, checkpoint and resume under another layout",
-                       add_help=False)
-    p.add_argument("demo_args", nargs=argparse.REMAINDER)
-    p.set_defaults(run=_demo)
-    p = sub.add_parser("inspect", help="list a checkpoint's tensors and chunks")
-    p.add_argument("uri")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run=_inspect)
-    args = parser.parse_args(argv)
+    """Run the command line; returns the exit code (see the module doc)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        return _demo(argv[1:])
+    args = _parser().parse_args(argv)
     try:
         return args.run(args)
     except CheckpointError as e:
         print(f"hyperdcp: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("hyperdcp: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout piped into a command that stopped reading (| head)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return EXIT_ERROR

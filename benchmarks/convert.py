@@ -1,0 +1,236 @@
+"""Conversion throughput and peak memory, against ``cp`` of the same bytes.
+
+    python -m benchmarks.convert [--out DIR] [--size-gib 1.2] [--repeat 3]
+
+Input: a synthetic model of about ``size_gib`` GiB laid out like a Hugging
+Face checkpoint — a folder of ``model-0000k-of-0000n.safetensors`` shards
+(at most 500 MB each) with ``model.safetensors.index.json``, holding the
+tensors of a GPT-style transformer in float32 (embedding, then per layer
+attention, MLP and norms; the embedding is the largest tensor).  The bytes
+are not random — no step here compresses, so content does not matter.
+
+Measured, each in a fresh process run under ``/usr/bin/time -v``, whose
+maximum resident set size is the peak memory (the process reports its RSS
+just before the call, so import overhead shows separately):
+
+* ``safetensors -> hyperdcp`` and ``hyperdcp -> safetensors`` (the two
+  directions of :mod:`dcp.safetensors_io`, default options: data files are
+  ``fsync``-ed), and the same through PyTorch DCP (:mod:`dcp.torch_dcp_io`);
+* baselines: ``cp -r`` of the source files, and ``cp -r`` followed by
+  ``sync`` of the copies (the fair baseline for a writer that fsyncs).
+
+Every step reads from a warm page cache (its input was just written).
+Seconds are medians over ``repeat`` runs; MiB/s counts tensor bytes.
+:func:`run` returns the rows and writes ``convert.json`` and ``convert.md``
+into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 2**20
+TIME = "/usr/bin/time"
+SHARD_BYTES = 500 * 10**6
+# (operation, source format, destination format); a conversion runs from the
+# artifact of its source format to a new artifact of its destination format
+OPERATIONS = [
+    ("safetensors -> hyperdcp", "safetensors", "hyperdcp"),
+    ("hyperdcp -> safetensors", "hyperdcp", "safetensors"),
+    ("hyperdcp -> torch-dcp", "hyperdcp", "torch-dcp"),
+    ("torch-dcp -> hyperdcp", "torch-dcp", "hyperdcp"),
+]
+
+
+def _model_shapes(size_gib: float) -> dict[str, tuple[int, ...]]:
+    """A GPT-style float32 model of about ``size_gib`` GiB: hidden 2048,
+    vocabulary 32000 (a 250 MiB embedding), 152 MiB per layer."""
+    hidden, vocab, ffn = 2048, 32000, 5632
+    shapes = {"embed.weight": (vocab, hidden)}
+    layer_bytes = 4 * (4 * hidden * hidden + 2 * hidden * ffn + 2 * hidden)
+    layers = max(1, round((size_gib * 2**30 - 4 * vocab * hidden) / layer_bytes))
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn.qkv.weight": (3 * hidden, hidden), p + "attn.o.weight": (hidden, hidden),
+                       p + "mlp.up.weight": (ffn, hidden), p + "mlp.down.weight": (hidden, ffn),
+                       p + "norm1.weight": (hidden,), p + "norm2.weight": (hidden,)})
+    shapes["norm.weight"] = (hidden,)
+    return shapes
+
+
+def _write_model(folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The synthetic model as a sharded safetensors folder with its index."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 4 * math.prod(shape)
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for k, names in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: torch.full(shapes[n], float(i % 7)) for i, n in enumerate(names)},
+                  folder / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": sum(4 * math.prod(s) for s in shapes.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _rss() -> int:
+    """This process's resident set size, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _child(operation: str, src: str, dst: str) -> None:
+    """Run one conversion in this (fresh) process; print its measurements."""
+    from dcp.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
+    from dcp.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
+
+    calls = {
+        "safetensors -> hyperdcp": lambda: safetensors_to_checkpoint(src, dst),
+        "hyperdcp -> safetensors": lambda: checkpoint_to_safetensors(src, dst),
+        "hyperdcp -> torch-dcp": lambda: checkpoint_to_torch_dcp(src, dst),
+        "torch-dcp -> hyperdcp": lambda: torch_dcp_to_checkpoint(src, dst, trusted=True),
+    }
+    before = _rss()
+    started = time.perf_counter()
+    calls[operation]()
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "rss_before": before}))
+
+
+def _convert(operation: str, src: Path, dst: Path) -> dict:
+    """Run one conversion in a fresh process under GNU time; its
+    measurements plus ``peak_rss`` (bytes), time's maximum resident set
+    size of the process."""
+    if not Path(TIME).exists():
+        raise RuntimeError(f"{TIME} (GNU time) is needed to measure peak memory: apt-get install time")
+    out = subprocess.run([TIME, "-v", sys.executable, "-m", "benchmarks.convert", "--child",
+                          operation, str(src), str(dst)], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parent.parent)
+    sample = json.loads(out.stdout.splitlines()[-1])
+    kib = re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)
+    return {**sample, "peak_rss": int(kib) * 1024}
+
+
+def _files(folder: Path) -> list[str]:
+    return [str(p) for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
+def _cp(src: Path, dst: Path, sync: bool) -> float:
+    started = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    if sync:
+        subprocess.run(["sync", *_files(dst)], check=True)
+    return time.perf_counter() - started
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3, scratch: str | None = None) -> list[dict]:
+    """Measure every conversion and its ``cp`` baselines; returns one row
+    per operation (seconds: median of ``repeat``; ``x cp``: seconds over
+    those of ``cp -r`` of the same source; memory in MiB) and writes
+    ``convert.json`` and ``convert.md`` into ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hyperdcp-bench-convert-", dir=scratch))
+    shapes = _model_shapes(size_gib)
+    tensor_bytes = sum(4 * math.prod(s) for s in shapes.values())
+    largest = max(4 * math.prod(s) for s in shapes.values())
+    try:
+        artifacts = {"safetensors": work / "safetensors"}
+        _write_model(artifacts["safetensors"], shapes)
+        samples: dict[str, list[dict]] = {op: [] for op, _, _ in OPERATIONS}
+        baselines: dict[tuple[str, bool], list[float]] = {}
+        for _ in range(repeat):
+            copied = set()  # cp baselines: once per source format and repeat
+            for operation, source, target in OPERATIONS:
+                src = artifacts[source]
+                if source not in copied:
+                    copied.add(source)
+                    for sync in (False, True):
+                        baselines.setdefault((source, sync), []).append(_cp(src, work / "copy", sync))
+                        _remove(work / "copy")
+                dst = work / f"{target}-from-{source}"
+                _remove(dst)
+                samples[operation].append(_convert(operation, src, dst))
+                artifacts.setdefault(target, dst)  # later operations read the first one made
+        rows = []
+        for operation, source, _ in OPERATIONS:
+            seconds = statistics.median(s["seconds"] for s in samples[operation])
+            cp = statistics.median(baselines[(source, False)])
+            cp_sync = statistics.median(baselines[(source, True)])
+            peak = max(s["peak_rss"] for s in samples[operation])
+            growth = max(s["peak_rss"] - s["rss_before"] for s in samples[operation])
+            rows.append({
+                "operation": operation, "tensor_bytes": tensor_bytes, "seconds": round(seconds, 3),
+                "MiB/s": round(tensor_bytes / MIB / seconds), "cp_seconds": round(cp, 3),
+                "cp_sync_seconds": round(cp_sync, 3), "x cp": round(seconds / cp, 2),
+                "x cp+sync": round(seconds / cp_sync, 2), "peak_rss_MiB": round(peak / MIB),
+                "rss_growth_MiB": round(growth / MIB), "largest_tensor_MiB": round(largest / MIB),
+                "all_seconds": [round(s["seconds"], 3) for s in samples[operation]],
+                "all_rss_growth_MiB": [round((s["peak_rss"] - s["rss_before"]) / MIB)
+                                       for s in samples[operation]],
+                "model_MiB": round(tensor_bytes / MIB), "repeat": repeat})
+    finally:
+        _remove(work)
+    (out_dir / "convert.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "convert.md").write_text(markdown(rows))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table, with the model's size in the title."""
+    head = (f"Model: {rows[0]['model_MiB']} MiB of float32 tensors, largest "
+            f"{rows[0]['largest_tensor_MiB']} MiB; median of {rows[0]['repeat']}.\n\n"
+            "| operation | seconds | MiB/s | cp -r (s) | cp -r + sync (s) | × cp | × cp+sync "
+            "| peak RSS (MiB) | RSS growth (MiB) |\n|---|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['operation']} | {r['seconds']:.2f} | {r['MiB/s']} | {r['cp_seconds']:.2f} | "
+        f"{r['cp_sync_seconds']:.2f} | {r['x cp']:.2f} | {r['x cp+sync']:.2f} | "
+        f"{r['peak_rss_MiB']} | {r['rss_growth_MiB']} |\n" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
+    parser.add_argument("--size-gib", type=float, default=1.2, help="model size (default 1.2 GiB)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
+    parser.add_argument("--scratch", default=None, help="directory for the files (default: tmp)")
+    parser.add_argument("--child", nargs=3, metavar=("OPERATION", "SRC", "DST"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(*args.child)
+        return 0
+    rows = run(args.out, size_gib=args.size_gib, repeat=args.repeat, scratch=args.scratch)
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

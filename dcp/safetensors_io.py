@@ -1,0 +1,493 @@
+"""Hugging Face safetensors <-> checkpoint, and loading straight from safetensors.
+
+A ``.safetensors`` file is an 8-byte little-endian header length ``N``, ``N``
+bytes of JSON header — ``{name: {"dtype", "shape", "data_offsets": [begin,
+end]}, "__metadata__": {str: str}}`` — then the data: each tensor's bytes,
+row-major and little-endian, at ``8 + N + begin``.  A sharded model is a
+folder of such files with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+
+The ``safetensors`` library reads whole files, or memory-maps local ones, and
+does not expose byte offsets; so headers are read here, through a storage
+plugin, which gives:
+
+* :class:`SafetensorsFolder` — a folder (or single file) on any storage
+  plugin presented as a read-only checkpoint: each tensor is one chunk, a
+  byte range of its file, with no checksum (safetensors records none).
+  :func:`load_safetensors` hands it to :func:`dcp.load`, so a sharded model
+  loads straight from a Hugging Face folder with resharding and ranged
+  reads, each rank reading only the bytes of its own shards.
+* :func:`safetensors_to_checkpoint` and :func:`checkpoint_to_safetensors` —
+  streaming conversions both ways (one tensor in memory at a time, plus the
+  writer's buffer), sharding the export by ``max_shard_size`` as
+  ``transformers`` does.
+
+Dtypes: every byte-sized safetensors dtype (:data:`SAFETENSORS_DTYPES`);
+the sub-byte ones (``F4``, ``F6_*``) have no torch dtype a checkpoint can
+hold and are refused, naming the tensor.  0-dim and zero-element tensors are
+kept (a zero-element tensor has no chunk).  The free-form ``__metadata__`` is
+not carried into a checkpoint; an export writes ``{"format": "pt"}`` plus
+the ``metadata`` passed to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from dcp import tensors
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.load import LoadReport, load, read_metadata
+from dcp.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta,
+                          check_relative_path, encode)
+from dcp.planner import LoadPlanner
+from dcp.storage import StoragePlugin, open_storage
+from dcp.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
+                           read_tensor, renamed)
+
+#: safetensors dtype name -> checkpoint (torch) dtype name.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+    "BOOL": "bool", "C64": "complex64",
+}
+_ST_NAMES = {ours: st for st, ours in SAFETENSORS_DTYPES.items()}
+_SUB_BYTE = ("F4", "F6_E2M3", "F6_E3M2")
+
+SUFFIX = ".safetensors"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+#: Largest header the format allows (bytes).
+MAX_HEADER_BYTES = 100_000_000
+#: Default shard size of an export: the Hugging Face Hub's customary 5 GB.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"`` (10^9),
+    ``"500MiB"`` (2^20) or ``"1048576"``.  Raises :class:`CheckpointError`
+    for anything else or a size below 1."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(size))
+        if not match or match.group(2).upper() not in _UNITS:
+            raise CheckpointError(f"size {size!r} is not a number with a unit like 5GB or 500MiB")
+        value = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value < 1:
+        raise CheckpointError(f"size {size!r} must be at least 1 byte")
+    return value
+
+
+def _split_source(source: str) -> tuple[str, str | None]:
+    """The folder URI of ``source`` and, if it names one ``.safetensors``
+    file, that file's name."""
+    if not source.endswith(SUFFIX):
+        return source, None
+    root, _, name = source.rpartition("/")
+    return root or ".", name
+
+
+class SafetensorsFolder(StoragePlugin):
+    """A safetensors model presented as a read-only checkpoint.
+
+    ``source`` is a folder (sharded, with ``model.safetensors.index.json``,
+    or holding ``*.safetensors`` files) or one ``.safetensors`` file, as a
+    path or URI of any storage plugin; ``options`` go to that plugin.
+    ``rename`` maps safetensors names to fqns (unlisted names are kept).
+
+    Headers are read on first use of :attr:`metadata` (so, under
+    :func:`dcp.load`, by the coordinating rank only).  Reads of tensor
+    bytes go to the underlying plugin; writing raises.
+    """
+
+    def __init__(self, source: str, *, rename: dict[str, str] | None = None, **options) -> None:
+        super().__init__(str(source))
+        root, self._single = _split_source(str(source))
+        self.inner = open_storage(root, **options)
+        self.thread_count = self.inner.thread_count
+        self.rename = rename
+        self._metadata: Metadata | None = None
+
+    @property
+    def metadata(self) -> Metadata:
+        """Every tensor as one chunk (a byte range of its file, no checksum),
+        ``shape`` and ``dtype`` as in the headers.
+
+        Raises:
+            NotACheckpointError: no ``.safetensors`` file at the source.
+            CorruptCheckpointError: a malformed header or index, naming the
+                file and tensor.
+            CheckpointError: a sub-byte dtype, or a bad rename map.
+        """
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
+
+    def _where(self, name: str) -> str:
+        return f"{self.inner.checkpoint_id}/{name}"
+
+    def _files(self) -> tuple[list[str], dict[str, str]]:
+        """The ``.safetensors`` files to read and the index's weight map."""
+        if self._single is not None:
+            return [self._single], {}
+        try:
+            index = self.inner.read_file(INDEX_FILE)
+        except FileNotFoundError:
+            names = sorted(n for n in self.inner.list_files() if n.endswith(SUFFIX) and "/" not in n)
+            if not names:
+                raise NotACheckpointError(
+                    f"{self.checkpoint_id!r} holds no {SUFFIX} file and no {INDEX_FILE}") from None
+            return names, {}
+        where = self._where(INDEX_FILE)
+        try:
+            weight_map = json.loads(index)["weight_map"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(f"{where}: not an index with a weight_map ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CorruptCheckpointError(f"{where}: weight_map must map names to file names")
+        files = [check_relative_path(f, where) for f in dict.fromkeys(weight_map.values())]
+        return files, weight_map
+
+    def _read_header(self, name: str) -> tuple[dict, int]:
+        """The JSON header of file ``name`` and the offset of its data."""
+        where = self._where(name)
+        length = bytearray(8)
+        try:
+            self.inner.read_ranges(name, [(0, memoryview(length))])
+            size = int.from_bytes(length, "little")
+            if size > MAX_HEADER_BYTES:
+                raise CorruptCheckpointError(
+                    f"{where}: header length {size} exceeds the format's {MAX_HEADER_BYTES} bytes")
+            raw = bytearray(size)
+            self.inner.read_ranges(name, [(8, memoryview(raw))])
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"{where}: cannot read the safetensors header: {e}") from e
+        try:
+            header = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{where}: header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+        return header, 8 + size
+
+    def _tensor_meta(self, name: str, key: str, entry, data_start: int) -> TensorMeta:
+        where = f"{self._where(name)}: tensor {key!r}"
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"{where}: entry is not an object")
+        st_dtype = entry.get("dtype")
+        if st_dtype in _SUB_BYTE:
+            raise CheckpointError(
+                f"{where}: dtype {st_dtype} packs several elements per byte; no torch dtype "
+                f"a checkpoint can hold matches it")
+        if st_dtype not in SAFETENSORS_DTYPES:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {st_dtype!r}")
+        dtype = SAFETENSORS_DTYPES[st_dtype]
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CorruptCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise CorruptCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+        shape = tuple(shape)
+        nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != nbytes:
+            raise CorruptCheckpointError(
+                f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
+                f"{st_dtype}{list(shape)} needs {nbytes}")
+        meta = TensorMeta(shape, dtype)
+        if nbytes:
+            meta.chunks.append(ChunkMeta((0,) * len(shape), shape, name, data_start + offsets[0],
+                                         nbytes, None, 0))
+        return meta
+
+    def _read_metadata(self) -> Metadata:
+        files, weight_map = self._files()
+        found: dict[str, tuple[str, TensorMeta]] = {}
+        for name in files:
+            header, data_start = self._read_header(name)
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                if key in found:
+                    raise CorruptCheckpointError(
+                        f"{self.checkpoint_id}: tensor {key!r} is in both {found[key][0]!r} and {name!r}")
+                found[key] = name, self._tensor_meta(name, key, entry, data_start)
+        for key, name in weight_map.items():
+            if found.get(key, (None,))[0] != name:
+                raise CorruptCheckpointError(
+                    f"{self._where(INDEX_FILE)}: maps {key!r} to {name!r}, which does not hold it")
+        names = renamed(found, self.rename, repr(self.checkpoint_id))
+        md = Metadata(save_id="safetensors", world_size=1)
+        for key, (_, meta) in found.items():
+            md.tensors[names[key]] = meta
+        return md
+
+    # ---- the StoragePlugin interface: reads go to the folder --------------
+
+    def read_file(self, name: str) -> bytes:
+        if name == METADATA_FILE:
+            return encode(self.metadata)
+        return self.inner.read_file(name)
+
+    def read_ranges(self, name, ranges) -> None:
+        self.inner.read_ranges(name, ranges)
+
+    def exists(self, name: str) -> bool:
+        return name == METADATA_FILE or self.inner.exists(name)
+
+    def list_files(self) -> list[str]:
+        return self.inner.list_files()
+
+    def _read_only(self, *args, **kwargs):
+        raise CheckpointError(f"{self.checkpoint_id!r} is a safetensors folder, read-only here")
+
+    write_file = commit_file = delete = _read_only
+
+
+def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | None = None,
+                     strict: bool = True, allow_dtype_cast: bool = False,
+                     planner: LoadPlanner | None = None, process_group=None,
+                     storage_options: dict | None = None) -> LoadReport:
+    """Fill ``state_dict`` in place straight from a Hugging Face safetensors
+    folder or file, without converting it first; collective over the group.
+
+    Exactly :func:`dcp.load` on :class:`SafetensorsFolder`: any target
+    layout (DTensor shards, :class:`dcp.TensorShard`, plain tensors), each
+    rank reading only the byte ranges of the boxes it holds.  safetensors
+    records no checksums, so none are verified.
+
+    Args:
+        state_dict: the target; its fqns are the safetensors names after
+            ``rename``.
+        source: folder or ``.safetensors`` file, path or URI.
+        rename: safetensors name -> fqn, for names that differ.
+        strict, allow_dtype_cast, planner, process_group: as for
+            :func:`dcp.load`.
+        storage_options: options of the storage plugin holding ``source``.
+
+    Returns:
+        The :class:`dcp.LoadReport` (``unexpected_keys``: tensors of the
+        folder the target lacks).
+
+    Raises:
+        NotACheckpointError: no safetensors file at ``source``.
+        CorruptCheckpointError: malformed header or index, short file.
+        CheckpointError: shape/dtype mismatch, missing keys, bad rename map.
+    """
+    view = SafetensorsFolder(source, rename=rename, **(storage_options or {}))
+    return load(state_dict, str(source), storage=view, strict=strict,
+                allow_dtype_cast=allow_dtype_cast, planner=planner, process_group=process_group,
+                verify="none")  # nothing to verify against: read only the bytes needed
+
+
+def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
+                              rename: dict[str, str] | None = None, overwrite: bool = False,
+                              buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                              source_options: dict | None = None,
+                              storage_options: dict | None = None,
+                              progress: bool = False) -> Metadata:
+    """Convert a safetensors folder or file into a checkpoint, streaming.
+
+    Every tensor becomes one chunk with its checksum; bytes are copied
+    unchanged.  Memory: one tensor plus the writer's ``buffer_bytes``.
+
+    Args:
+        source: folder (single or sharded with its index) or
+            ``.safetensors`` file, path or URI; ``source_options`` go to its
+            storage plugin.
+        checkpoint_id: destination path or URI; ``storage_options`` go to
+            its plugin.
+        rename: safetensors name -> fqn.
+        overwrite: replace a committed checkpoint at ``checkpoint_id``.
+        buffer_bytes: bytes of tensor data per data file (about).
+        progress: show a progress bar (tqdm, bytes) on stderr.
+
+    Returns:
+        The committed :class:`dcp.Metadata`.
+
+    Raises:
+        CheckpointError: as :class:`SafetensorsFolder` and
+            :class:`dcp.streaming.CheckpointWriter`; nothing is committed.
+    """
+    view = SafetensorsFolder(source, rename=rename, **(source_options or {}))
+    md = view.metadata
+    with CheckpointWriter(checkpoint_id, overwrite=overwrite, buffer_bytes=buffer_bytes,
+                          storage_options=storage_options) as writer, \
+            progress_bar(md.stored_bytes, "import", progress) as bar:
+        for fqn, meta in md.tensors.items():
+            writer.add_tensor(fqn, read_tensor(view, fqn, meta))  # no reference kept past this
+            bar.update(meta.nbytes)
+        return writer.commit()
+
+
+def encode_header(entries: list[tuple[str, str, tuple[int, ...], int, int]],
+                  metadata: dict[str, str]) -> bytes:
+    """The header bytes of a ``.safetensors`` file (length prefix included).
+
+    ``entries`` are ``(name, checkpoint dtype, shape, begin, end)``, offsets
+    relative to the data.  The JSON is padded with spaces to a multiple of 8
+    bytes, as the reference writer does, so the data starts 8-aligned.
+    """
+    doc: dict = {"__metadata__": metadata}
+    for name, dtype, shape, begin, end in entries:
+        doc[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+class _ShardBuffers(Sequence):
+    """The buffers of one ``.safetensors`` file, made on demand: the header,
+    then each tensor, read from the checkpoint only when the storage plugin
+    asks for it.  A plugin that writes the buffers in turn (as
+    :meth:`~dcp.storage.StoragePlugin.write_file` describes) thus holds one
+    tensor at a time; one that asks twice reads twice."""
+
+    def __init__(self, header: bytes, entries: list[tuple[str, TensorMeta]],
+                 storage: StoragePlugin, bar: tqdm) -> None:
+        self.header = header
+        self.entries = entries
+        self.storage = storage
+        self.bar = bar
+
+    def __len__(self) -> int:
+        return 1 + len(self.entries)
+
+    def __getitem__(self, i: int):
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        if i == 0:
+            return self.header
+        fqn, meta = self.entries[i - 1]
+        tensor = read_tensor(self.storage, fqn, meta)
+        self.bar.update(meta.nbytes)
+        return tensors.byte_view(tensor)
+
+
+def _shards(md: Metadata, limit: int) -> list[list[str]]:
+    """Greedy split in checkpoint order (as ``transformers`` does): a new
+    shard starts when the next tensor would take the current one past
+    ``limit``; a larger tensor gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for fqn, meta in md.tensors.items():
+        if shards[-1] and size + meta.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(fqn)
+        size += meta.nbytes
+    return shards
+
+
+def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
+                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                              rename: dict[str, str] | None = None,
+                              metadata: dict[str, str] | None = None, overwrite: bool = False,
+                              storage_options: dict | None = None,
+                              dest_options: dict | None = None,
+                              progress: bool = False) -> ExportResult:
+    """Export a checkpoint's tensors as a Hugging Face safetensors folder,
+    streaming.
+
+    Each tensor is consolidated from its chunks (checksums verified) when
+    its turn to be written comes, so memory holds about one tensor.  One
+    shard is written as ``model.safetensors``; more as
+    ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``
+    (written last).  Within a shard tensors are ordered by descending item
+    size, so each starts aligned to it.
+
+    Args:
+        checkpoint_id: the checkpoint, path or URI; ``storage_options`` go
+            to its plugin.
+        folder: destination folder, path or URI; ``dest_options`` go to its
+            plugin.
+        max_shard_size: bytes of tensor data per file, an int or a string
+            like ``"5GB"`` / ``"500MiB"`` (see :func:`parse_size`).
+        rename: fqn -> safetensors name.
+        metadata: extra ``__metadata__`` entries (str -> str) besides
+            ``{"format": "pt"}``.
+        overwrite: allow a destination that already holds safetensors files;
+            those the export does not rewrite are deleted after it.
+        progress: show a progress bar (tqdm, bytes) on stderr.
+
+    Returns:
+        An :class:`~dcp.streaming.ExportResult`; ``skipped`` lists the
+        checkpoint's non-tensor values, which safetensors cannot hold.
+
+    Raises:
+        NotACheckpointError / CorruptCheckpointError: as :func:`dcp.load`.
+        CheckpointError: destination not empty without ``overwrite``, bad
+            size, rename map or metadata, or a failed write (the files
+            written are removed).
+    """
+    limit = parse_size(max_shard_size)
+    header_meta = {"format": "pt", **(metadata or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in header_meta.items()):
+        raise CheckpointError(f"safetensors metadata must map str to str, got {metadata!r}")
+    storage = open_storage(str(checkpoint_id), **(storage_options or {}))
+    md = read_metadata(str(checkpoint_id), storage=storage)
+    names = renamed(md.tensors, rename, repr(str(checkpoint_id)))
+    dest = open_storage(str(folder), **(dest_options or {}))
+    old = [n for n in dest.list_files() if "/" not in n and (n.endswith(SUFFIX) or n == INDEX_FILE)]
+    if old and not overwrite:
+        raise CheckpointError(
+            f"{str(folder)!r} already holds {', '.join(old)}; pass overwrite=True to replace them")
+    shards = _shards(md, limit)
+    count = len(shards)
+    files = [SINGLE_FILE] if count == 1 else [
+        f"model-{k + 1:05d}-of-{count:05d}{SUFFIX}" for k in range(count)]
+    result = ExportResult(skipped=list(md.objects))
+    weight_map: dict[str, str] = {}
+    done = False
+    with progress_bar(md.unique_bytes, "export", progress) as bar:
+        try:
+            for file, shard in zip(files, shards):
+                shard.sort(key=lambda f: -DTYPE_ITEMSIZE[md.tensors[f].dtype])
+                entries, offset = [], 0
+                for fqn in shard:
+                    meta = md.tensors[fqn]
+                    entries.append((names[fqn], meta.dtype, meta.shape, offset, offset + meta.nbytes))
+                    offset += meta.nbytes
+                    weight_map[names[fqn]] = file
+                result.files.append(file)
+                buffers = _ShardBuffers(encode_header(entries, header_meta),
+                                        [(f, md.tensors[f]) for f in shard], storage, bar)
+                _write(dest, file, buffers)
+                result.tensors += len(shard)
+                result.nbytes += offset
+            if count > 1:
+                index = {"metadata": {"total_size": result.nbytes},
+                         "weight_map": dict(sorted(weight_map.items()))}
+                result.files.append(INDEX_FILE)
+                _write(dest, INDEX_FILE, [json.dumps(index, indent=2).encode()])
+            done = True
+        finally:
+            if not done:
+                dest.delete(result.files)
+    if overwrite:
+        dest.delete(set(old) - set(result.files))
+    return result
+
+
+def _write(dest: StoragePlugin, name: str, buffers) -> None:
+    try:
+        dest.write_file(name, buffers)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"writing {name!r} to {dest.checkpoint_id!r} failed: {e}") from e

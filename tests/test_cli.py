@@ -1,0 +1,259 @@
+"""The ``hyperdcp`` command: each subcommand's output and exit code (in
+process, through ``dcp.cli.main``), on every storage plugin's URIs; and the
+installed command itself (two subprocesses): real exit codes, and progress
+bars on a terminal only."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import shutil
+import struct
+import subprocess
+import termios
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dcp
+import s3_server
+from dcp.cli import main
+from dcp.metadata import CHECKSUM
+from helpers import assert_bitwise_equal, randn
+from storage_plugins.shm import DEFAULT_ROOT
+
+
+def _state() -> dict:
+    w = randn((4, 6), seed=1)
+    w[1, 2] = 2.0
+    return {"model": {"w": w, "b": torch.arange(6, dtype=torch.int32),
+                      "s": torch.tensor(1.5, dtype=torch.bfloat16), "e": torch.empty(0, 3)},
+            "step": 7}
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    dcp.save(_state(), str(tmp_path / "ckpt"))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("sub", ["", "inspect", "verify", "diff", "convert", "demo"])
+def test_help_on_every_subcommand(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*sub.split(), "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:")
+    if sub in ("", "inspect", "verify", "diff", "convert"):
+        assert "exit" in out.lower() or "Exit" in out, out
+
+
+def test_inspect_lists_tensors_chunks_bytes_ranks_and_version(ckpt, capsys):
+    code, out, _ = _run(capsys, "inspect", str(ckpt), "--chunks")
+    assert code == 0
+    assert "hyperdcp format v1, saved by 1 rank(s), 4 tensors, 1 values" in out
+    assert "model.w: float32[4, 6] 96 B, 1 chunk(s), written by rank(s) [0]" in out
+    assert "model.s: bfloat16[] 2 B, 1 chunk(s)" in out and "model.e: float32[0, 3] 0 B, 0 chunk(s)" in out
+    assert f"{CHECKSUM} 0x" in out and "step: 7" in out
+
+    code, out, _ = _run(capsys, "inspect", f"file://{ckpt}", "--json")
+    doc = json.loads(out)
+    md = dcp.read_metadata(str(ckpt))
+    chunk = md.tensors["model.w"].chunks[0]
+    assert (code, doc["format"], doc["version"], doc["world_size"]) == (0, "hyperdcp", 1, 1)
+    assert doc["tensors"]["model.w"] == {
+        "shape": [4, 6], "dtype": "float32", "nbytes": 96, "ranks": [0],
+        "chunks": [{"offsets": [0, 0], "sizes": [4, 6], "file": chunk.file,
+                    "byte_offset": chunk.byte_offset, "nbytes": 96, "checksum": chunk.checksum,
+                    "rank": 0}]}
+    assert doc["objects"] == {"step": 7} and doc["stored_bytes"] == 96 + 24 + 2
+
+
+def test_verify_lists_every_damaged_piece_and_exits_3(ckpt, capsys):
+    code, out, _ = _run(capsys, "verify", str(ckpt))
+    assert code == 0 and "3 checksum(s) match, 0 damaged, 122 bytes read" in out
+
+    md = dcp.read_metadata(str(ckpt))
+    w, b = md.tensors["model.w"].chunks[0], md.tensors["model.b"].chunks[0]
+    data = bytearray((ckpt / w.file).read_bytes())
+    data[w.byte_offset + 5] ^= 0x01
+    (ckpt / w.file).write_bytes(bytes(data))
+    if b.file != w.file:
+        (ckpt / b.file).unlink()
+    else:  # truncate: cut the file before b's bytes
+        (ckpt / b.file).write_bytes((ckpt / b.file).read_bytes()[:b.byte_offset])
+    code, out, _ = _run(capsys, "verify", str(ckpt))
+    assert code == 3
+    damaged = [line for line in out.splitlines() if line.startswith("DAMAGED")]
+    assert len(damaged) == 2, out
+    assert "'model.w' chunk at offsets [0, 0]" in damaged[0] + damaged[1]
+    assert any(w.file in d and "checksum mismatch" in d for d in damaged), damaged
+    assert any("'model.b'" in d and b.file in d and "cannot be read" in d for d in damaged), damaged
+
+    (ckpt / "metadata.json").write_text('{"format": "hyperdcp"')
+    code, out, _ = _run(capsys, "verify", str(ckpt))
+    assert code == 3 and "DAMAGED" in out and "metadata.json" in out
+    code, _, err = _run(capsys, "verify", str(ckpt.parent / "nothing"))
+    assert code == 1 and "holds no checkpoint" in err
+
+
+def test_diff_names_what_differs_and_by_how_much(ckpt, tmp_path, capsys):
+    code, out, _ = _run(capsys, "diff", str(ckpt), str(ckpt))
+    assert code == 0 and out.strip() == "same: 5 identical, 0 differ, 0 only in A, 0 only in B"
+
+    other = _state()
+    other["model"]["w"][1, 2] = 2.5
+    other["model"]["s"] = torch.tensor(1.5, dtype=torch.float16)
+    del other["model"]["b"]
+    other["extra"] = torch.ones(1)
+    other["step"] = 8
+    dcp.save(other, str(tmp_path / "other"))
+    code, out, _ = _run(capsys, "diff", str(ckpt), str(tmp_path / "other"))
+    assert code == 4
+    lines = out.splitlines()
+    assert "only in A: model.b" in lines and "only in B: extra" in lines
+    assert "differs: model.w: 1 of 24 elements differ, max |a-b| = 0.5" in lines
+    assert "differs: model.s: dtype bfloat16 vs float16" in lines
+    assert "differs: step (value)" in lines
+    code, out, _ = _run(capsys, "diff", str(ckpt), str(tmp_path / "other"), "--json")
+    doc = json.loads(out)
+    assert code == 4 and doc["same"] is False
+    assert {"fqn": "model.w", "problem": "values", "detail": "", "differing": 1, "numel": 24,
+            "max_abs": 0.5} in doc["tensors"]
+
+
+def test_convert_in_every_direction(ckpt, tmp_path, capsys):
+    sd = {"a.weight": randn((5, 3), seed=2), "a.bias": torch.arange(3, dtype=torch.int64)}
+    (tmp_path / "hf").mkdir()
+    save_file(sd, tmp_path / "hf" / "model.safetensors")
+    code, out, _ = _run(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "from-hf"))
+    assert code == 0 and "converted 2 tensors (84 bytes) from safetensors" in out
+
+    code, _, err = _run(capsys, "convert", str(ckpt), str(tmp_path / "x"))
+    assert code == 2 and "--to" in err
+    code, out, _ = _run(capsys, "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors",
+                        "--max-shard-size", "64B")
+    assert code == 0 and "note: safetensors holds tensors only; skipped 1 value(s): step" in out
+    assert len(list((tmp_path / "st").glob("model-*-of-*.safetensors"))) == 2
+    assert _run(capsys, "diff", str(ckpt), str(tmp_path / "st"))[0] == 4  # the value is missing there
+    assert _run(capsys, "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors")[0] == 1
+    assert _run(capsys, "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors",
+                "--overwrite")[0] == 0
+
+    assert _run(capsys, "convert", str(ckpt), str(tmp_path / "torch"), "--to", "torch-dcp")[0] == 0
+    code, _, err = _run(capsys, "convert", str(tmp_path / "torch"), str(tmp_path / "back"))
+    assert code == 1 and "pickle" in err and "--trust-pickle" in err
+    code, _, err = _run(capsys, "inspect", str(tmp_path / "torch"))
+    assert code == 1 and "--trust-pickle" in err
+    assert _run(capsys, "convert", str(tmp_path / "torch"), str(tmp_path / "back"), "--trust-pickle")[0] == 0
+    assert _run(capsys, "diff", str(ckpt), str(tmp_path / "back"))[0] == 0
+
+    (tmp_path / "rename.json").write_text(json.dumps({"model.w": "W"}))
+    assert _run(capsys, "convert", str(ckpt), str(tmp_path / "renamed"), "--to", "safetensors",
+                "--rename-map", str(tmp_path / "rename.json"))[0] == 0
+    assert_bitwise_equal(load_file(tmp_path / "renamed" / "model.safetensors")["W"], _state()["model"]["w"])
+    code, _, err = _run(capsys, "convert", str(ckpt), str(tmp_path / "bad"), "--to", "safetensors",
+                        "--rename-map", str(tmp_path / "rename.json"), "-o", "nonsense")
+    assert code == 1 and "nonsense" in err
+
+
+def _plugin_uri(scheme: str, tmp_path: Path) -> tuple[str, list[str]]:
+    """A fresh base URI of ``scheme`` and the -o options it needs."""
+    tag = uuid.uuid4().hex[:8]
+    if scheme == "path":
+        return str(tmp_path / "base"), []
+    if scheme == "file":
+        return f"file://{tmp_path}/base", ["-o", "file:fsync=false"]
+    if scheme == "memory":
+        return f"memory://cli-{tag}", []
+    if scheme == "shm":
+        return f"shm://cli-{tag}", []
+    if scheme == "sqlite":
+        return f"sqlite://{tmp_path}", []
+    assert scheme == "s3"
+    options = s3_server.options(s3_server.endpoint())
+    return s3_server.fresh_url("cli"), [arg for k, v in options.items() for arg in ("-o", f"s3:{k}={v}")]
+
+
+@pytest.mark.parametrize("scheme", ["path", "file", "memory", "shm", "sqlite", "s3"])
+def test_every_command_on_every_storage_plugin(scheme, tmp_path, capsys):
+    sd = {"w": randn((8, 4), seed=3), "i": torch.arange(5, dtype=torch.int16)}
+    (tmp_path / "hf").mkdir()
+    save_file(sd, tmp_path / "hf" / "model.safetensors")
+    base, options = _plugin_uri(scheme, tmp_path)
+    if scheme == "sqlite":  # the example plugin keeps one checkpoint per database file
+        ckpt, st, again = (f"sqlite://{tmp_path}/{n}.db" for n in ("ckpt", "st", "again"))
+    else:
+        ckpt, st, again = (f"{base}/{n}" for n in ("ckpt", "st", "again"))
+    try:
+        assert _run(capsys, "convert", *options, str(tmp_path / "hf"), ckpt)[0] == 0
+        code, out, _ = _run(capsys, "inspect", *options, ckpt)
+        assert code == 0 and "w: float32[8, 4] 128 B" in out
+        assert _run(capsys, "verify", *options, ckpt)[:2] == (0, f"{ckpt}: 2 checksum(s) match, 0 damaged, 138 bytes read\n")
+        assert _run(capsys, "convert", *options, ckpt, st, "--to", "safetensors", "--max-shard-size", "100B")[0] == 0
+        code, out, _ = _run(capsys, "verify", *options, st)  # a safetensors folder on the plugin
+        assert code == 0 and "2 chunk(s) carry no checksum" in out
+        assert _run(capsys, "diff", *options, ckpt, st)[0] == 0
+        assert _run(capsys, "convert", *options, st, again)[0] == 0
+        assert _run(capsys, "diff", *options, again, str(tmp_path / "hf"))[0] == 0
+    finally:
+        if scheme == "shm":
+            shutil.rmtree(Path(DEFAULT_ROOT) / base.removeprefix("shm://"), ignore_errors=True)
+
+
+def _command(*argv: str, tty: bool) -> tuple[int, str, str]:
+    """Run the installed ``hyperdcp`` with stderr on a pipe, or on a
+    terminal (a pseudo-terminal of 100 columns) when ``tty``."""
+    exe = shutil.which("hyperdcp")
+    assert exe, "the hyperdcp command is not installed (pip install -e .)"
+    if not tty:
+        proc = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=180)
+        return proc.returncode, proc.stdout, proc.stderr
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([exe, *argv], stdout=subprocess.PIPE, stderr=slave, text=True,
+                            stdin=subprocess.DEVNULL)
+    os.close(slave)
+    err = b""
+    while True:  # read the terminal while the command runs
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # EIO: the command closed its end
+                break
+            if not chunk:
+                break
+            err += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    out = proc.stdout.read()
+    return proc.wait(timeout=180), out, err.decode(errors="replace")
+
+
+def test_installed_command_shows_progress_only_on_a_terminal(ckpt, tmp_path):
+    code, out, err = _command("convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors",
+                              tty=False)
+    assert code == 0 and "converted 4 tensors" in out
+    assert err == "", err  # no progress bar into a pipe
+
+    md = dcp.read_metadata(str(ckpt))
+    chunk = md.tensors["model.b"].chunks[0]
+    data = bytearray((ckpt / chunk.file).read_bytes())
+    data[chunk.byte_offset] ^= 0x80
+    (ckpt / chunk.file).write_bytes(bytes(data))
+    code, out, err = _command("verify", str(ckpt), tty=True)
+    assert code == 3 and "DAMAGED: tensor 'model.b'" in out
+    assert "verify:" in err and "%|" in err, err  # tqdm's bar, on the terminal
