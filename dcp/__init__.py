@@ -6,11 +6,13 @@ writes; the metadata (JSON, never pickle) is committed last and atomically.
 Loading intersects the boxes each rank needs with the saved chunks, so a
 checkpoint loads into any other parallel layout.
 
-Public API: :func:`save`, :func:`load`, :func:`read_metadata`,
-:class:`TensorShard`, :class:`Metadata`, :class:`LoadReport`,
-:class:`CheckpointError`.
+Public API: :func:`save`, :func:`async_save`, :func:`load`,
+:func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
+:class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`.
 """
 
+from dcp.async_save import (AsyncSaveCounters, AsyncSaveResponse, AsyncSaveStats,
+                            AsyncSaveTimeout, async_save, async_save_counters)
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.load import LoadReport, load, read_metadata
 from dcp.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
@@ -20,5 +22,6 @@ from dcp.tensors import TensorShard
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
-    "NotACheckpointError",
+    "NotACheckpointError", "async_save", "AsyncSaveResponse", "AsyncSaveStats",
+    "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
 ]

@@ -1,26 +1,39 @@
 """Cross-rank coordination with failure propagation.
 
-Every collective step of a save or load runs through :class:`Coordinator`:
-each rank computes its part, exceptions included, and the coordinator (rank 0
-of the group) either combines the parts or, if any rank failed, sends the
-failure to everyone.  So an exception on one rank surfaces on every rank as a
+Every collective step of a save or load runs through a coordinator: each rank
+computes its part, exceptions included, and the coordinator (rank 0 of the
+group) either combines the parts or, if any rank failed, sends the failure to
+everyone.  So an exception on one rank surfaces on every rank as a
 :class:`~dcp.errors.CheckpointError` naming the failing rank and phase, and
-no rank is left waiting in a collective the failing rank never reached (the
+no rank is left waiting in a step the failing rank never reached (the
 pattern of PyTorch DCP's ``_DistWrapper``).
 
-Without an initialized ``torch.distributed`` the coordinator is a single
-process and the steps run locally.
+The steps are written once, in :class:`CoordinatorBase`, over two transport
+primitives: *gather* (every rank's part to the coordinator) and *reply* (the
+coordinator's answer: one value for everyone, or one value per rank).  A
+reply always starts with a header saying which of the two it is, so ranks
+that disagree on what comes next (one used a cached plan, another did not)
+still take part in the same step and all get the failure.  Transports:
+
+* :class:`Coordinator`: ``torch.distributed`` object collectives on a
+  process group (the default group if ``None``); without an initialized
+  ``torch.distributed``, a single process.
+* :class:`LocalCoordinator`: no traffic at all; every rank is its own
+  coordinator (``async_save(coordination="none")``).
+* :class:`dcp.file_coordination.FileCoordinator`: the file-flag protocol
+  over the checkpoint's storage.
 """
 
 from __future__ import annotations
 
+import abc
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
 
-from dcp import errors
+from dcp import errors, wire
 from dcp.errors import CheckpointError
 
 
@@ -32,6 +45,17 @@ class _Failure:
     message: str
     trace: str
     kind: str  # class name of a dcp.errors exception, else "CheckpointError"
+
+
+wire.register(_Failure)
+
+
+@dataclass
+class PerRank:
+    """What a step's ``global_fn`` returns to give each rank its own value
+    (``values[rank]``) instead of one value for all."""
+
+    values: list[Any]
 
 
 def _capture(rank: int, fn: Callable[[], Any]) -> tuple[Any, _Failure | None, Exception | None]:
@@ -46,23 +70,46 @@ def _capture(rank: int, fn: Callable[[], Any]) -> tuple[Any, _Failure | None, Ex
         return None, failure, e
 
 
-class Coordinator:
-    """Runs the collective steps of one save or load over ``process_group``
-    (the default group if ``None``), or locally when torch.distributed is not
-    initialized.  Rank 0 of the group is the coordinator."""
+def failure_of(rank: int, message: str) -> _Failure:
+    """A failure of ``rank`` that did not come from an exception (a rank that
+    never arrived, a process that died)."""
+    return _Failure(rank, message, "", "CheckpointError")
 
-    def __init__(self, process_group: Any = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = process_group
-        if self.distributed:
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
-        else:
-            self.rank, self.world_size = 0, 1
+
+class CoordinatorBase(abc.ABC):
+    """The failure-propagating steps of one save or load on one rank.
+
+    ``rank`` and ``world_size`` are this rank's place in the group; rank 0
+    is the coordinator unless a subclass says otherwise.  Subclasses provide
+    the transport: :meth:`_gather` and :meth:`_reply`, called by every rank
+    in the same order; ``step`` numbers them from 0 and ``phase`` names them
+    (both only for transports that need names, and for messages).
+    """
+
+    rank: int
+    world_size: int
 
     @property
     def is_coordinator(self) -> bool:
+        """Whether this rank combines the parts of every step."""
         return self.rank == 0
+
+    @abc.abstractmethod
+    def _gather(self, step: int, phase: str, obj: Any) -> list[Any] | None:
+        """Send ``obj`` to the coordinator; the coordinator gets every rank's
+        object (index = rank), the others ``None``."""
+
+    @abc.abstractmethod
+    def _reply(self, step: int, phase: str, shared: bool, value: Any) -> Any:
+        """The coordinator sends ``value`` (if ``shared``) or ``value[rank]``
+        to each rank; every rank returns its value.  Non-coordinators pass
+        ``shared=False, value=None``."""
+
+    _steps: int = 0
+
+    def _next_step(self) -> int:
+        self._steps += 1
+        return self._steps - 1
 
     def _raise(self, phase: str, failures: list[_Failure], local: Exception | None) -> None:
         """Raise the step's failure; ``.tracebacks`` maps each failing rank to
@@ -78,81 +125,113 @@ class Coordinator:
         error.tracebacks = {f.rank: f.trace for f in failures}
         raise error from local
 
-    def _gather(self, obj: Any) -> list[Any] | None:
+    def step(self, phase: str, local_fn: Callable[[], Any],
+             global_fn: Callable[[list[Any]], Any]) -> Any:
+        """Every rank runs ``local_fn``; the coordinator runs ``global_fn`` on
+        all results (index = rank).  If it returns :class:`PerRank`, each rank
+        gets its element, else every rank gets the value.  Raises
+        :class:`CheckpointError` on every rank if any rank's ``local_fn`` or
+        the ``global_fn`` raised."""
+        n = self._next_step()
+        local, failure, exc = _capture(self.rank, local_fn)
+        gathered = self._gather(n, phase, (local, failure))
+        shared, reply = False, None
+        if self.is_coordinator:
+            failures = [f for _, f in gathered if f is not None]
+            if not failures:
+                answer, g_failure, exc = _capture(self.rank, lambda: global_fn([v for v, _ in gathered]))
+                failures = [g_failure] if g_failure else []
+            if failures:
+                shared, reply = True, (None, failures)
+            elif isinstance(answer, PerRank):
+                reply = [(v, None) for v in answer.values]
+            else:
+                shared, reply = True, (answer, None)
+        value, failures = self._reply(n, phase, shared, reply)
+        if failures:
+            self._raise(phase, failures, exc)
+        return value
+
+    def gather_scatter(self, phase: str, local_fn: Callable[[], Any],
+                       global_fn: Callable[[list[Any]], list[Any]]) -> Any:
+        """Like :meth:`step`, ``global_fn`` returning one value per rank."""
+        return self.step(phase, local_fn, lambda values: PerRank(global_fn(values)))
+
+    def gather_broadcast(self, phase: str, local_fn: Callable[[], Any],
+                         global_fn: Callable[[list[Any]], Any]) -> Any:
+        """Like :meth:`step`, every rank getting the one value ``global_fn``
+        returns."""
+        return self.step(phase, local_fn, global_fn)
+
+    def run_all(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Every rank runs ``fn`` and gets its own result back, or, if any
+        rank raised, a :class:`CheckpointError` naming it on every rank."""
+        results: list[Any] = []
+        self.step(phase, lambda: results.append(fn()), lambda _: None)
+        return results[0]
+
+    def broadcast(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """The coordinator runs ``fn``; every rank gets its result, or a
+        :class:`CheckpointError` if it raised."""
+        n = self._next_step()
+        reply, exc = None, None
+        if self.is_coordinator:
+            value, failure, exc = _capture(self.rank, fn)
+            reply = (None, [failure]) if failure else (value, None)
+        value, failures = self._reply(n, phase, self.is_coordinator, reply)
+        if failures:
+            self._raise(phase, failures, exc)
+        return value
+
+
+class Coordinator(CoordinatorBase):
+    """Runs the steps over ``process_group`` (the default group if ``None``)
+    with ``torch.distributed`` object collectives, or locally when
+    torch.distributed is not initialized."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group
+        if self.distributed:
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+
+    def _gather(self, step, phase, obj):
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size if self.is_coordinator else None
         dist.gather_object(obj, out, group=self.group, group_dst=0)
         return out
 
-    def _scatter(self, objs: list[Any] | None) -> Any:
+    def _reply(self, step, phase, shared, value):
         if not self.distributed:
-            return objs[0]
+            return value if shared else value[0]
+        box = [(shared, value if shared else None)]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        shared, header_value = box[0]
+        if shared:
+            return header_value
         out = [None]
-        dist.scatter_object_list(out, objs, group=self.group, group_src=0)
+        dist.scatter_object_list(out, value, group=self.group, group_src=0)
         return out[0]
 
-    def _broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=0)
-        return box[0]
 
-    def gather_scatter(self, phase: str, local_fn: Callable[[], Any],
-                       global_fn: Callable[[list[Any]], list[Any]]) -> Any:
-        """Every rank runs ``local_fn``; the coordinator runs ``global_fn`` on
-        all results (index = rank) and each rank gets its element of the
-        returned list.  Raises :class:`CheckpointError` on every rank if any
-        rank's ``local_fn`` or the ``global_fn`` raised."""
-        return self._step(phase, local_fn, global_fn, broadcast=False)
+class LocalCoordinator(CoordinatorBase):
+    """No cross-rank traffic: every rank coordinates itself (its steps see
+    only its own part).  ``rank`` and ``world_size`` still name this rank's
+    place in the job, for file names and metadata."""
 
-    def gather_broadcast(self, phase: str, local_fn: Callable[[], Any],
-                         global_fn: Callable[[list[Any]], Any]) -> Any:
-        """Like :meth:`gather_scatter`, but every rank gets the one value
-        ``global_fn`` returns."""
-        return self._step(phase, local_fn, global_fn, broadcast=True)
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
 
-    def run_all(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """Every rank runs ``fn`` and gets its own result back, or, if any
-        rank raised, a :class:`CheckpointError` naming it on every rank."""
-        value, failure, exc = _capture(self.rank, fn)
-        gathered = self._gather(failure)
-        if self.is_coordinator:
-            gathered = [f for f in gathered if f is not None]
-        failures = self._broadcast(gathered)
-        if failures:
-            self._raise(phase, failures, exc)
-        return value
+    @property
+    def is_coordinator(self) -> bool:
+        return True
 
-    def broadcast(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """The coordinator runs ``fn``; every rank gets its result, or a
-        :class:`CheckpointError` if it raised."""
-        value, failure, exc = _capture(self.rank, fn) if self.is_coordinator else (None, None, None)
-        value, failure = self._broadcast((value, failure))
-        if failure is not None:
-            self._raise(phase, [failure], exc)
-        return value
+    def _gather(self, step, phase, obj):
+        return [obj]
 
-    def _step(self, phase, local_fn, global_fn, broadcast: bool):
-        local, failure, exc = _capture(self.rank, local_fn)
-        gathered = self._gather((local, failure))
-        result = None
-        if self.is_coordinator:
-            failures = [f for _, f in gathered if f is not None]
-            if not failures:
-                value, g_failure, exc = _capture(self.rank, lambda: global_fn([v for v, _ in gathered]))
-                failures = [g_failure] if g_failure else []
-            if failures:
-                result = (None, failures) if broadcast else [(None, failures)] * self.world_size
-            else:
-                result = (value, None) if broadcast else [(v, None) for v in value]
-        value, failures = self._broadcast(result) if broadcast else self._scatter(result)
-        if failures:
-            self._raise(phase, failures, exc)
-        return value
-
-    def barrier(self) -> None:
-        """Wait for every rank of the group."""
-        if self.distributed:
-            dist.barrier(group=self.group)
+    def _reply(self, step, phase, shared, value):
+        return value if shared else value[0]

@@ -26,10 +26,10 @@ import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from dcp import tensors
-from dcp.coordination import Coordinator
+from dcp import pending, tensors, wire
+from dcp.coordination import Coordinator, CoordinatorBase
 from dcp.errors import CheckpointError
 from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
                           TensorMeta, checksum, encode)
@@ -49,6 +49,9 @@ class _WriteResult:
     replicas: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
     json_values: dict[str, str] = field(default_factory=dict)
     pickled: dict[str, bytes] = field(default_factory=dict)
+
+
+wire.register(_WriteResult)
 
 
 def encode_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[str | None, bytes | None]:
@@ -84,61 +87,105 @@ def _balance_files(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
     return groups
 
 
-class _Save:
-    """State of one save on one rank."""
+@dataclass
+class SaveState:
+    """What one rank saves: its tensor chunks, keyed by ``(fqn, offsets)``
+    (box and data: the caller's tensors for :func:`save`, staged host copies
+    for :func:`dcp.async_save`), each chunk's replica slot (see
+    :func:`dcp.tensors.replica_slot`), and its non-tensor values encoded as
+    JSON text or, if the caller allowed it, pickled bytes."""
 
-    def __init__(self, state_dict, storage: StoragePlugin, planner: SavePlanner,
-                 coordinator: Coordinator, overwrite: bool, allow_pickle: bool) -> None:
-        self.state_dict = state_dict
+    chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = field(default_factory=dict)
+    slots: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
+    json_values: dict[str, str] = field(default_factory=dict)
+    pickled: dict[str, bytes] = field(default_factory=dict)
+
+
+def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
+                   world_size: int = 1) -> SaveState:
+    """Flatten ``state_dict`` into a :class:`SaveState` whose chunks refer to
+    the caller's tensors (no copy); ``rank`` of ``world_size`` places the
+    caller for the replica slots.  Raises :class:`CheckpointError` naming the
+    fqn for an unsupported leaf."""
+    state = SaveState()
+    for fqn, leaf in flatten(state_dict, tensors.is_tensor).items():
+        if tensors.is_tensor(leaf.value):
+            chunk = tensors.describe(fqn, leaf.value)
+            state.chunks[(fqn, chunk.offsets)] = chunk
+            state.slots[(fqn, chunk.offsets)] = tensors.replica_slot(leaf.value, rank, world_size)
+        else:
+            text, blob = encode_object(fqn, leaf.value, allow_pickle)
+            if blob is None:
+                state.json_values[fqn] = text
+            else:
+                state.pickled[fqn] = blob
+    return state
+
+
+def data_file_prefix(rank: int) -> str:
+    """The prefix of the names of every data file ``rank`` writes."""
+    return f"r{rank:05d}-"
+
+
+class _Save:
+    """State of one save on one rank.
+
+    ``describe`` produces the rank's :class:`SaveState`; it runs inside the
+    first step, so a bad leaf on one rank fails the save on every rank.
+    """
+
+    #: The file :meth:`commit` publishes.
+    metadata_file = METADATA_FILE
+
+    def __init__(self, describe: Callable[[], SaveState], storage: StoragePlugin,
+                 planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool) -> None:
+        self.describe = describe
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
         self.overwrite = overwrite
-        self.allow_pickle = allow_pickle
-        self.chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = {}
-        self.json_values: dict[str, str] = {}
-        self.pickled: dict[str, bytes] = {}
+        self.state = SaveState()
         self.written: list[str] = []
         self.decls: dict[str, TensorDecl] = {}
 
     # -- phase 1: planning
-    def local_plan(self) -> SavePlan:
+    def offered(self) -> SavePlan:
+        """Describe the state; every chunk this rank holds, before the
+        planner's local step."""
+        self.state = self.describe()
         plan = SavePlan()
-        for fqn, leaf in flatten(self.state_dict, tensors.is_tensor).items():
-            if tensors.is_tensor(leaf.value):
-                chunk = tensors.describe(fqn, leaf.value)
-                plan.tensors[fqn] = TensorDecl(chunk.global_shape, chunk.dtype)
-                item = WriteItem(fqn, chunk.offsets, chunk.sizes,
-                                 chunk.data.numel() * chunk.data.element_size())
-                plan.items.append(item)
-                self.chunks[(fqn, chunk.offsets)] = chunk
-            else:
-                text, blob = encode_object(fqn, leaf.value, self.allow_pickle)
-                if blob is None:
-                    self.json_values[fqn] = text
-                else:
-                    self.pickled[fqn] = blob
-        return self.planner.create_local_plan(plan)
+        for (fqn, offsets), chunk in self.state.chunks.items():
+            plan.tensors[fqn] = TensorDecl(chunk.global_shape, chunk.dtype)
+            plan.items.append(WriteItem(fqn, offsets, chunk.sizes,
+                                        chunk.data.numel() * chunk.data.element_size()))
+        return plan
 
-    def global_plan(self, plans: list[SavePlan]) -> list[tuple[str, SavePlan]]:
+    def local_plan(self) -> SavePlan:
+        return self.planner.create_local_plan(self.offered())
+
+    def global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.check_target()
+        final = self.planner.create_global_plan(plans)
+        for plan in plans:
+            self.decls.update(plan.tensors)
+        return final
+
+    def check_target(self) -> None:
+        """Refuse to replace a committed checkpoint unless ``overwrite``."""
         if not self.overwrite and self.storage.exists(METADATA_FILE):
             raise CheckpointError(
                 f"{self.storage.checkpoint_id!r} already holds a committed checkpoint; "
                 f"pass overwrite=True to replace it")
-        final = self.planner.create_global_plan(plans)
-        for plan in plans:
-            self.decls.update(plan.tensors)
-        save_id = uuid.uuid4().hex[:16]
-        return [(save_id, plan) for plan in final]
 
     # -- phase 2: writing
     def write(self, save_id: str, plan: SavePlan) -> _WriteResult:
-        result = _WriteResult(json_values=self.json_values, pickled=self.pickled)
+        result = _WriteResult(json_values=self.state.json_values, pickled=self.state.pickled)
         mine = {(i.fqn, i.offsets) for i in plan.items}
         groups = _balance_files(plan.items, self.storage.thread_count)
-        names = [f"r{self.coord.rank:05d}-{k}.{save_id}{DATA_SUFFIX}" for k in range(len(groups))]
+        prefix = data_file_prefix(self.coord.rank)
+        names = [f"{prefix}{k}.{save_id}{DATA_SUFFIX}" for k in range(len(groups))]
         self.written = names
-        replicas = [key for key, c in self.chunks.items()
+        replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
             writes = [pool.submit(self._write_file, name, group)
@@ -150,12 +197,12 @@ class _Save:
         return result
 
     def _hash(self, key) -> int:
-        return checksum(tensors.byte_view(tensors.to_host(self.chunks[key].data)))
+        return checksum(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
 
     def _write_file(self, name: str, group: list[WriteItem]) -> list[tuple[str, ChunkMeta]]:
         buffers, out, offset = [], [], 0
         for item in group:
-            buf = tensors.byte_view(tensors.to_host(self.chunks[(item.fqn, item.offsets)].data))
+            buf = tensors.byte_view(tensors.to_host(self.state.chunks[(item.fqn, item.offsets)].data))
             buffers.append(buf)
             out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset, len(buf),
                                             checksum(buf), self.coord.rank)))
@@ -188,7 +235,7 @@ class _Save:
             t.chunks.sort(key=lambda c: c.offsets)
         self._merge_objects(md, results, save_id)
         try:
-            self.storage.commit_file(METADATA_FILE, encode(md), overwrite=self.overwrite)
+            self.storage.commit_file(self.metadata_file, encode(md), overwrite=self.overwrite)
         except FileExistsError as e:
             raise CheckpointError(
                 f"{self.storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
@@ -196,12 +243,16 @@ class _Save:
             self._delete_stale(md.files())
         return md
 
+    def _is_stale(self, name: str, keep: set[str]) -> bool:
+        """Whether ``name`` is a data file of a replaced checkpoint that this
+        rank's commit removes."""
+        return name.endswith(DATA_SUFFIX) and name not in keep
+
     def _delete_stale(self, keep: set[str]) -> None:
         """Remove the replaced checkpoint's data files.  The new checkpoint is
         already committed, so a failure here only leaves garbage: warn."""
         try:
-            self.storage.delete(n for n in self.storage.list_files()
-                                if n.endswith(DATA_SUFFIX) and n not in keep)
+            self.storage.delete(n for n in self.storage.list_files() if self._is_stale(n, keep))
         except OSError as e:
             warnings.warn(f"{self.storage.checkpoint_id!r}: could not delete the replaced "
                           f"checkpoint's data files: {e}", stacklevel=2)
@@ -222,7 +273,7 @@ class _Save:
             for fqn, blob in result.pickled.items():
                 blobs.setdefault(fqn, blob)  # pickles of equal objects may differ: lowest rank's
         if blobs:
-            name = f"objects.{save_id}{DATA_SUFFIX}"
+            name = f"{data_file_prefix(self.coord.rank)}objects.{save_id}{DATA_SUFFIX}"
             self.written.append(name)
             offset = 0
             for fqn, blob in blobs.items():
@@ -230,15 +281,26 @@ class _Save:
                 offset += len(blob)
             self.storage.write_file(name, list(blobs.values()))
 
-    def run(self) -> Metadata:
-        save_id, plan = self.coord.gather_scatter("save planning", self.local_plan, self.global_plan)
+    def persist(self, save_id: str, plan: SavePlan) -> Metadata:
+        """Phases 2 and 3: write ``plan``, then commit on the coordinator.
+        On failure every rank deletes the files it wrote."""
         try:
             return self.coord.gather_broadcast(
                 "save writing/commit", lambda: self.write(save_id, plan),
                 lambda results: self.commit(save_id, results))
-        except CheckpointError:
+        except Exception:  # a failure of any rank, or of the transport (a timeout)
             self.storage.delete(self.written)
             raise
+
+    def run(self, save_id: str | None = None) -> Metadata:
+        """The whole save, as ``save_id`` (by default the coordinator draws
+        a fresh one)."""
+        def plan_all(plans: list[SavePlan]) -> list[tuple[str, SavePlan]]:
+            chosen = save_id or uuid.uuid4().hex[:16]
+            return [(chosen, plan) for plan in self.global_plan(plans)]
+
+        save_id, plan = self.coord.gather_scatter("save planning", self.local_plan, plan_all)
+        return self.persist(save_id, plan)
 
 
 def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
@@ -263,6 +325,9 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         storage_options: keyword options of the storage plugin (e.g.
             ``thread_count``, ``fsync`` for POSIX).
 
+    A save waits first for this process's :func:`dcp.async_save` in flight,
+    if any (one save in flight per job).
+
     Returns:
         The committed :class:`~dcp.Metadata` (on every rank).
 
@@ -270,8 +335,10 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         CheckpointError: on every rank, naming the rank, fqn or file at
         fault, if anything fails; nothing is committed then.
     """
+    pending.wait()
     coordinator = Coordinator(process_group)
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("save")
-    return _Save(state_dict, storage, planner, coordinator, overwrite, allow_pickle).run()
+    return _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
+                 overwrite).run()

@@ -116,6 +116,26 @@ def describe(fqn: str, value: Any) -> LocalChunk:
     return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), shape, value)
 
 
+def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
+    """``(index, count)``: this rank is replica number ``index`` of the
+    ``count`` ranks holding the same chunk of a tensor-like leaf, computed
+    without communication.  A plain tensor is held by every rank of the group
+    (``(rank, world_size)``); a DTensor by the ranks that differ only in
+    their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
+    counts as held by this rank alone (its replicas are not knowable)."""
+    if isinstance(value, DTensor):
+        mesh, coordinate = value.device_mesh, value.device_mesh.get_coordinate() or []
+        index, count = 0, 1
+        for dim, placement in enumerate(value.placements):
+            if placement.is_replicate():
+                index = index * mesh.size(dim) + coordinate[dim]
+                count *= mesh.size(dim)
+        return index, count
+    if isinstance(value, TensorShard):
+        return 0, 1
+    return rank, world_size
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A contiguous host tensor with ``t``'s values (``t`` itself if it is one)."""
     t = t.detach()

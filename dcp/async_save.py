@@ -1,0 +1,387 @@
+"""Asynchronous save: the trainer stalls only to copy its tensors to host.
+
+:func:`async_save` describes the state dict, copies every chunk into a
+reused shared-memory staging buffer (:mod:`dcp.staging`) and returns.
+Planning, coordination, writing and commit run in a persistent background
+process per rank (:mod:`dcp.worker`), so the trainer's Python, GIL and
+communicators are untouched while the checkpoint persists.
+
+Coordination of the background processes (``coordination=``):
+
+* ``"gloo"``: a dedicated CPU gloo group of the workers, built from the job's
+  rendezvous store under a prefix unique to this saver (never the trainer's
+  groups); rebuilt after a failed save.
+* ``"file"``: the file-flag protocol over the checkpoint's own storage
+  (:mod:`dcp.file_coordination`): no communicator at all.
+* ``"none"``: no cross-rank traffic; each rank commits its own metadata file
+  and readers merge them (:mod:`dcp.independent`).
+
+All ranks of the group must call :func:`async_save` in the same order (it is
+collective, like :func:`dcp.save`).  Once per job, at the first call, the
+ranks agree on a random token through the job's rendezvous store (one
+compare-and-set each); it makes save ids and exchange-file names unique to
+this job, so a restarted job never mistakes a crashed one's files for its
+own.  Save ``n`` of the job has the id ``<token><n>`` on every rank: no
+exchange is needed to name it, which lets a save with a cached plan skip the
+planning exchange altogether (:mod:`dcp.plan_cache`).
+
+Ordering: one save in flight per job.  A new :func:`async_save` or
+:func:`dcp.save` first waits for the one in flight; a load should wait for a
+save in flight to its checkpoint (:func:`dcp.pending.wait`), and elsewhere a
+checkpoint is never readable before its metadata is committed, last.
+
+Failures: if any rank's background process raises or dies, ``result()``
+raises a :class:`~dcp.CheckpointError` on every rank (a rank whose peer died
+learns it after ``timeout`` seconds), nothing is committed, a previous
+checkpoint stays loadable, and the next :func:`async_save` works (a dead
+worker is replaced, the gloo group rebuilt).  With ``coordination="none"``
+a rank's ``result()`` covers its own part only: the checkpoint is complete
+once every rank's ``result()`` has returned, and a failed rank leaves it
+refused as incomplete.
+
+The worker is a spawned process, so the training script must guard its
+entry point with ``if __name__ == "__main__":``, as for any spawned process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import pickle
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from dcp import pending
+from dcp.errors import CheckpointError
+from dcp.metadata import Metadata
+from dcp.plan_cache import CacheEntry
+from dcp.planner import SavePlanner
+from dcp.save import describe_state
+from dcp.staging import Layout, Stager
+from dcp.storage import StoragePlugin
+from dcp.worker import Outcome, Rendezvous, SaveJob, WorkerHandle
+
+COORDINATIONS = ("gloo", "file", "none")
+
+
+class AsyncSaveTimeout(CheckpointError, TimeoutError):
+    """:meth:`AsyncSaveResponse.result` waited ``timeout`` seconds; the save
+    itself goes on."""
+
+
+@dataclass(frozen=True)
+class AsyncSaveStats:
+    """Measurements of one async save on this rank, in seconds and bytes.
+
+    ``stall_s``: time :func:`async_save` spent describing and staging the
+    state (after any wait for a save in flight).  ``staged_bytes``:
+    bytes copied to host.  ``planning_s``: background time spent deciding the
+    plan (on a plan-cache hit only the key check).  ``persist_s``: background
+    time from receiving the save to its commit.  ``plan_exchanged``: whether
+    local plans were exchanged (False on a plan-cache hit and with
+    ``coordination="none"``).
+    """
+
+    stall_s: float
+    staged_bytes: int
+    planning_s: float
+    persist_s: float
+    plan_exchanged: bool
+
+
+@dataclass(frozen=True)
+class AsyncSaveCounters:
+    """Totals of one process group's async saves on this rank: ``saves``
+    started, ``failures``, ``plan_exchanges`` (saves that exchanged local
+    plans), ``bytes_staged`` (bytes copied to host) and
+    ``staging_allocations`` (staging buffers allocated; stays 1 while the
+    structure is unchanged)."""
+
+    saves: int = 0
+    failures: int = 0
+    plan_exchanges: int = 0
+    bytes_staged: int = 0
+    staging_allocations: int = 0
+
+
+class AsyncSaveResponse:
+    """The handle of one :func:`async_save`.
+
+    ``checkpoint_id``: where it saves.  ``staged``: a
+    ``concurrent.futures.Future`` done (result ``None``) once every tensor is
+    in host memory — already done unless ``blocking_staging=False``; wait for
+    it before modifying any saved tensor in place.  ``stats``: an
+    :class:`AsyncSaveStats` once the save is done.
+    """
+
+    def __init__(self, checkpoint_id: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.staged: Future = Future()
+        self.stats: AsyncSaveStats | None = None
+        self._outcome: Future = Future()
+
+    def result(self, timeout: float | None = None) -> Metadata:
+        """Wait for the save (at most ``timeout`` seconds) and return its
+        committed :class:`~dcp.Metadata`.
+
+        Raises:
+            CheckpointError: the save failed — on some rank, naming it, or
+                because a background process died; raised on every rank.
+            AsyncSaveTimeout: ``timeout`` passed first (a ``TimeoutError``
+                too; the save goes on).
+        """
+        try:
+            return self._outcome.result(timeout)
+        except FutureTimeout:
+            raise AsyncSaveTimeout(f"the async save to {self.checkpoint_id!r} is still in "
+                                   f"flight after {timeout} s") from None
+
+    def done(self) -> bool:
+        """Whether the save has committed or failed."""
+        return self._outcome.done()
+
+    def add_done_callback(self, fn: Callable[[AsyncSaveResponse], None]) -> None:
+        """Call ``fn(self)`` once the save has committed or failed (at once
+        if it has), on a library thread; exceptions it raises are logged and
+        ignored."""
+        self._outcome.add_done_callback(lambda _: fn(self))
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The caller's options of one :func:`async_save`."""
+
+    planner: SavePlanner | None
+    storage: StoragePlugin | None
+    storage_options: dict
+    coordination: str
+    overwrite: bool
+    allow_pickle: bool
+    blocking_staging: bool
+    timeout: float
+
+
+def _as_error(e: Exception, rank: int, what: str) -> CheckpointError:
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointError(f"rank {rank}: {what} failed: {type(e).__name__}: {e}")
+
+
+class _Saver:
+    """The async saves of one process group on this rank: its worker,
+    staging buffer, token, save count and counters."""
+
+    instances = 0
+
+    def __init__(self, process_group) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self.group = process_group
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            key = f"hyperdcp/async/{zlib.crc32(repr(ranks).encode()):08x}/{_Saver.instances}"
+            self.token = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:8]).decode()
+        else:
+            self.group, self.rank, self.world_size = None, 0, 1
+            self.token = uuid.uuid4().hex[:8]
+        _Saver.instances += 1
+        self.stager = Stager()
+        self.worker: WorkerHandle | None = None
+        self.worker_layout: Layout | None = None
+        self.plan_entry: CacheEntry | None = None  # the plan cache, for a new worker
+        self.gloo_failures = 0  # names the workers' gloo group: every rank counts the same
+        self.seq = 0
+        self.counters = AsyncSaveCounters()
+
+    def _rendezvous(self) -> Rendezvous:
+        """Where this saver's workers build their gloo group: the store the
+        job's default group was initialized with (reachable from another
+        process), under a prefix unique to the saver and its failure count."""
+        store = c10d._get_default_store()
+        base = getattr(store, "_underlying_non_prefix_store", store)
+        if isinstance(base, dist.TCPStore):
+            address: tuple = ("tcp", base.host, base.port)
+        elif isinstance(base, dist.FileStore):
+            address = ("file", base.path)
+        else:
+            raise CheckpointError(
+                f"coordination='gloo' needs a TCP or file rendezvous store (torchrun's, or "
+                f"MASTER_ADDR/MASTER_PORT), not a {type(base).__name__}; use coordination='file'")
+        return Rendezvous(address, f"hyperdcp/async/{self.token}/{self.gloo_failures}")
+
+    def save(self, state_dict, checkpoint_id: str, options: _Options,
+             finish: Callable[[], None]) -> AsyncSaveResponse:
+        """Stage ``state_dict``, then hand the save to the worker on a
+        thread that resolves the returned response and calls ``finish``."""
+        start = time.perf_counter()
+        response = AsyncSaveResponse(checkpoint_id)
+        seq, self.seq = self.seq, self.seq + 1
+        state, layout, rendezvous, error = None, None, None, None
+        try:
+            if options.coordination == "gloo" and self.world_size > 1:
+                rendezvous = self._rendezvous()
+            state = describe_state(state_dict, options.allow_pickle, self.rank, self.world_size)
+            layout, response.staged = self.stager.stage(state, options.blocking_staging)
+        except Exception as e:  # reported to every rank by the worker's first step
+            error = _as_error(e, self.rank, f"staging for {checkpoint_id!r}")
+            response.staged.set_exception(error)
+        job = SaveJob(
+            seq=seq, save_id=f"{self.token}{seq:08d}", checkpoint_id=checkpoint_id,
+            storage=options.storage, storage_options=options.storage_options,
+            planner=options.planner, coordination=options.coordination,
+            overwrite=options.overwrite,
+            json_values=state.json_values if state else {}, pickled=state.pickled if state else {},
+            rank=self.rank, world_size=self.world_size, timeout=options.timeout,
+            rendezvous=rendezvous, layout=layout, plan_entry=None, error=error)
+        stall = time.perf_counter() - start
+        threading.Thread(target=self._persist, args=(job, response, stall, finish),
+                         name="dcp-async-save", daemon=True).start()
+        return response
+
+    def _persist(self, job: SaveJob, response: AsyncSaveResponse, stall: float,
+                 finish: Callable[[], None]) -> None:
+        try:
+            staging_error = response.staged.exception()  # waits for non-blocking copies
+            if staging_error is not None and job.error is None:
+                job = replace(job, error=_as_error(staging_error, self.rank,
+                                                   f"staging for {job.checkpoint_id!r}"))
+            outcome = self._run(job)
+        except Exception as e:  # resolve the response whatever happened
+            outcome = Outcome(job.seq, error=_as_error(e, self.rank, "async save"))
+        if job.coordination != "none":  # the outcome of a coordinated save is every rank's
+            if outcome.error is not None:
+                self.plan_entry = None
+                self.gloo_failures += job.coordination == "gloo"
+            elif outcome.exchanged:
+                self.plan_entry = outcome.plan_entry
+        c = self.counters
+        self.counters = replace(
+            c, saves=c.saves + 1, failures=c.failures + (outcome.error is not None),
+            plan_exchanges=c.plan_exchanges + outcome.exchanged,
+            bytes_staged=self.stager.bytes_staged, staging_allocations=self.stager.allocations)
+        staged_bytes = sum(c.nbytes for c in job.layout.chunks) if job.layout is not None else 0
+        response.stats = AsyncSaveStats(stall, staged_bytes, outcome.planning_s,
+                                        outcome.persist_s, outcome.exchanged)
+        finish()
+        if outcome.error is not None:
+            response._outcome.set_exception(outcome.error)
+        else:
+            response._outcome.set_result(outcome.metadata)
+
+    def _run(self, job: SaveJob) -> Outcome:
+        """Submit ``job`` to the worker (spawning one if needed, sending the
+        staging buffer only if this worker lacks it) and wait for its outcome."""
+        if self.worker is None:
+            self.worker, self.worker_layout = WorkerHandle(), None
+            job = replace(job, plan_entry=self.plan_entry)
+        layout = job.layout
+        if layout is self.worker_layout:
+            job = replace(job, layout=None)
+        try:
+            try:
+                self.worker.submit(job)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                # the storage or planner does not pickle: the save fails on every rank
+                job = replace(job, storage=None, planner=None,
+                              error=_as_error(e, self.rank, "sending the save to its worker"))
+                self.worker.submit(job)
+            self.worker_layout = layout
+            return self.worker.wait()
+        except CheckpointError as e:  # the worker died
+            self.worker.stop(timeout=0)
+            self.worker = None
+            raise CheckpointError(f"rank {self.rank}: async save of {job.checkpoint_id!r}: {e}") from e
+
+    def stop(self) -> None:
+        """Stop the worker (after its current job)."""
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+
+_savers: dict[object, _Saver] = {}
+_lock = threading.Lock()
+
+
+def _saver_for(process_group) -> _Saver:
+    with _lock:
+        saver = _savers.get(process_group)
+        if saver is None:
+            saver = _savers[process_group] = _Saver(process_group)
+        return saver
+
+
+def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
+               storage: StoragePlugin | None = None, process_group=None,
+               coordination: str = "gloo", overwrite: bool = False, allow_pickle: bool = False,
+               storage_options: dict | None = None, blocking_staging: bool = True,
+               callback: Callable[[AsyncSaveResponse], None] | None = None,
+               timeout: float = 600.0) -> AsyncSaveResponse:
+    """Save a (sharded) state dict in the background; collective over the
+    group, like :func:`dcp.save`, whose checkpoints it writes.
+
+    Returns once every tensor is copied to host memory (with
+    ``blocking_staging=False``, once the copies are started: wait for
+    ``response.staged`` before changing any saved tensor in place).  From
+    then on the caller may change every tensor in place: the checkpoint holds
+    the values at the call.  A save already in flight in this process is
+    waited for first.
+
+    Args:
+        state_dict, checkpoint_id, planner, overwrite, allow_pickle,
+            storage_options: as for :func:`dcp.save`.
+        storage: a ready storage plugin; it is pickled to the background
+            process once per save.
+        process_group: the group saving together (default group by default).
+        coordination: ``"gloo"``, ``"file"`` or ``"none"`` (module doc).
+        blocking_staging: ``False`` to return before the device-to-host (or
+            host) copies finish; they complete in the background.
+        callback: called with the response once the save committed or
+            failed, on a library thread.
+        timeout: seconds any rank's background process waits for the others
+            at one coordination step before the save fails.
+
+    Returns:
+        An :class:`AsyncSaveResponse`.
+
+    Raises:
+        CheckpointError: for an unknown ``coordination``.  Every other
+        failure, staging included, is raised by
+        :meth:`AsyncSaveResponse.result` on every rank.
+    """
+    if coordination not in COORDINATIONS:
+        raise CheckpointError(f"coordination must be one of {', '.join(COORDINATIONS)}, "
+                              f"not {coordination!r}")
+    pending.wait()
+    saver = _saver_for(process_group)
+    options = _Options(planner, storage, dict(storage_options or {}), coordination, overwrite,
+                       allow_pickle, blocking_staging, float(timeout))
+    response = saver.save(state_dict, str(checkpoint_id), options,
+                          pending.begin(str(checkpoint_id)))
+    if callback is not None:
+        response.add_done_callback(callback)
+    return response
+
+
+def async_save_counters(process_group=None) -> AsyncSaveCounters:
+    """The :class:`AsyncSaveCounters` of ``process_group``'s async saves on
+    this rank (all zero before the first)."""
+    with _lock:
+        saver = _savers.get(process_group)
+    return saver.counters if saver is not None else AsyncSaveCounters()
+
+
+@atexit.register
+def _shutdown() -> None:
+    """At exit: let the saves in flight finish, then stop the workers."""
+    pending.wait()
+    for saver in list(_savers.values()):
+        saver.stop()

@@ -1,0 +1,148 @@
+"""Checkpoints saved without any cross-rank traffic (``coordination="none"``),
+and reading a checkpoint's metadata whichever way it was committed.
+
+Without traffic no coordinator can deduplicate, so a fixed rule decides who
+writes a chunk held by several ranks: rank ``r`` writes the chunk ``(fqn,
+offsets)`` when its replica slot ``(index, count)``
+(:func:`dcp.tensors.replica_slot`) satisfies ``index == crc32(fqn@offsets)
+% count``.  Plain tensors are replicated on every rank of the group by
+definition, so each is written by one rank, spread by the hash; a DTensor's
+replicas are the ranks that differ only on its ``Replicate`` mesh dimensions,
+which every rank derives from the mesh; a :class:`~dcp.TensorShard`'s
+replicas are unknowable, so every holder writes it and reading keeps one.  A
+non-tensor value is written by rank ``crc32(fqn) % world_size``.  Unlike a
+coordinated save, nothing checks that replicas are equal, and a plain tensor
+that is not held by every rank of the group (pipeline stages) may be lost:
+reading then refuses the checkpoint, naming the tensor.
+
+Each rank commits its own metadata file ``metadata.rankRRRRR.json``
+atomically, last; the checkpoint exists once all ``world_size`` of them carry
+the same save id.  :func:`read_metadata_bytes` merges them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
+from dcp.save import SaveState, _Save, data_file_prefix
+from dcp.storage import StoragePlugin
+
+
+def rank_metadata_file(rank: int) -> str:
+    """Name of the metadata file rank ``rank`` commits."""
+    return f"metadata.rank{rank:05d}.json"
+
+
+def _writes(slot: tuple[int, int], fqn: str, offsets: tuple[int, ...]) -> bool:
+    index, count = slot
+    return index == zlib.crc32(f"{fqn}@{list(offsets)}".encode()) % count
+
+
+class IndependentSave(_Save):
+    """A save whose every step is local (use with a
+    :class:`~dcp.coordination.LocalCoordinator`): this rank writes the chunks
+    and values the rule gives it and commits its own metadata file."""
+
+    def __init__(self, describe, *args, **kwargs) -> None:
+        super().__init__(lambda: self._owned(describe()), *args, **kwargs)
+        self.metadata_file = rank_metadata_file(self.coord.rank)
+
+    def _owned(self, state: SaveState) -> SaveState:
+        """The part of ``state`` this rank writes."""
+        rank, world = self.coord.rank, self.coord.world_size
+        return SaveState(
+            chunks={key: c for key, c in state.chunks.items() if _writes(state.slots[key], *key)},
+            json_values={fqn: text for fqn, text in state.json_values.items()
+                         if zlib.crc32(fqn.encode()) % world == rank},
+            pickled={fqn: blob for fqn, blob in state.pickled.items()
+                     if zlib.crc32(fqn.encode()) % world == rank})
+
+    def global_plan(self, plans):
+        """No coordinator: the planner's local plan is final (its global
+        step, which needs every rank's plan, does not run)."""
+        self.check_target()
+        for plan in plans:
+            self.decls.update(plan.tensors)
+        return plans
+
+    def check_target(self) -> None:
+        if self.storage.exists(METADATA_FILE):
+            raise CheckpointError(
+                f"{self.storage.checkpoint_id!r} holds a checkpoint committed by a coordinated "
+                f"save; a coordination='none' save cannot replace it atomically: use another path")
+        if not self.overwrite and self.storage.exists(self.metadata_file):
+            raise CheckpointError(
+                f"{self.storage.checkpoint_id!r} already holds {self.metadata_file!r} of a "
+                f"committed checkpoint; pass overwrite=True to replace it")
+
+    def _is_stale(self, name: str, keep: set[str]) -> bool:
+        return name.startswith(data_file_prefix(self.coord.rank)) and super()._is_stale(name, keep)
+
+
+def read_metadata_bytes(storage: StoragePlugin) -> bytes:
+    """The checkpoint's encoded metadata: the committed ``metadata.json`` of a
+    coordinated save, else the merge of the per-rank files of a
+    ``coordination="none"`` save.
+
+    Raises:
+        NotACheckpointError: neither is there, or some rank's file is missing
+            or belongs to another save (the save did not complete).
+        CorruptCheckpointError: a file is malformed, or the ranks' files
+            disagree on a tensor or leave part of one unsaved.
+    """
+    try:
+        return storage.read_file(METADATA_FILE)
+    except FileNotFoundError:
+        pass
+    where = f"{storage.checkpoint_id}/{rank_metadata_file(0)}"
+    try:
+        first = decode(storage.read_file(rank_metadata_file(0)), where)
+    except FileNotFoundError:
+        raise NotACheckpointError(
+            f"{storage.checkpoint_id!r} is not a checkpoint: it has no committed "
+            f"{METADATA_FILE} nor {rank_metadata_file(0)} (never saved there, or the save "
+            f"did not complete)") from None
+    parts, missing = [first], []
+    for rank in range(1, first.world_size):
+        name = rank_metadata_file(rank)
+        try:
+            md = decode(storage.read_file(name), f"{storage.checkpoint_id}/{name}")
+        except FileNotFoundError:
+            md = None
+        if md is None or md.save_id != first.save_id:
+            missing.append(rank)
+        else:
+            parts.append(md)
+    if missing:
+        raise NotACheckpointError(
+            f"{storage.checkpoint_id!r} is an incomplete checkpoint: rank(s) "
+            f"{', '.join(map(str, missing))} of {first.world_size} never committed save "
+            f"{first.save_id} (the save failed or is still in flight)")
+    return encode(_merge(parts, storage.checkpoint_id))
+
+
+def _merge(parts: list[Metadata], checkpoint_id: str) -> Metadata:
+    merged = Metadata(save_id=parts[0].save_id, world_size=parts[0].world_size)
+    for rank, md in enumerate(parts):
+        for fqn, t in md.tensors.items():
+            seen = merged.tensors.setdefault(fqn, TensorMeta(t.shape, t.dtype))
+            if (seen.shape, seen.dtype) != (t.shape, t.dtype):
+                raise CorruptCheckpointError(
+                    f"{checkpoint_id!r}: {fqn!r} is {list(seen.shape)} {seen.dtype} in the "
+                    f"metadata of an earlier rank but {list(t.shape)} {t.dtype} in rank {rank}'s")
+            have = {c.offsets for c in seen.chunks}
+            seen.chunks.extend(c for c in t.chunks if c.offsets not in have)
+        for fqn, obj in md.objects.items():
+            merged.objects.setdefault(fqn, obj)
+    for fqn, t in merged.tensors.items():
+        t.chunks.sort(key=lambda c: c.offsets)
+        covered = sum(math.prod(c.sizes) for c in t.chunks)
+        if covered != math.prod(t.shape):
+            raise CorruptCheckpointError(
+                f"{checkpoint_id!r}: the ranks' chunks of {fqn!r} cover {covered} of its "
+                f"{math.prod(t.shape)} elements (a plain tensor not held by every rank of the "
+                f"group cannot be saved with coordination='none')")
+    return merged

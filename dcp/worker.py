@@ -1,0 +1,254 @@
+"""The persistent background process that persists asynchronous saves.
+
+One worker per trainer rank, spawned (never forked: the trainer may hold
+CUDA contexts and threads) at its first :func:`dcp.async_save` and reused for
+every later save, so a save pays neither a process start nor ``import torch``
+(about 4 s per save here).  It runs at a lower CPU priority than the trainer
+(:data:`NICENESS`) and with one intra-op thread.  It has no
+device work: it reads the staged chunks from the shared-memory buffer that
+the trainer hands over once per layout (a file descriptor, not a copy), and
+every later request is a small message.
+
+For each :class:`SaveJob` it runs the save phases of :mod:`dcp.save` on its
+own thread and GIL, coordinating through the job's channel — its own gloo
+group (``"gloo"``), exchange files on the checkpoint's storage (``"file"``),
+or nothing (``"none"``) — with the :class:`~dcp.plan_cache.PlanCache` it
+keeps across saves (the trainer keeps a copy for a replacement worker), and
+answers one :class:`Outcome`.  If the worker dies
+the trainer sees it at once (:meth:`WorkerHandle.wait` watches the process
+sentinel), and the next save spawns a new one.
+
+The gloo group is built from the job's rendezvous store (torchrun's store, or
+whatever store the trainer's default group was initialized with) under a
+prefix unique to the saver and to its count of failed gloo saves (a count
+every rank shares): after a failure every rank's worker, or its
+replacement, builds a fresh group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dcp.coordination import Coordinator, CoordinatorBase, LocalCoordinator
+from dcp.errors import CheckpointError
+from dcp.file_coordination import FileCoordinator
+from dcp.independent import IndependentSave
+from dcp.metadata import Metadata
+from dcp.plan_cache import CacheEntry, PlanCache
+from dcp.planner import SavePlanner, default_planner
+from dcp.save import SaveState, _Save
+from dcp.staging import Layout
+from dcp.storage import StoragePlugin, open_storage
+
+#: Seconds a (re)built gloo group waits for every rank's worker to arrive
+#: (at least): covers spawning a replacement worker on a loaded machine.
+RENDEZVOUS_S = 300.0
+
+#: How much lower than the trainer's the worker's CPU priority is: it takes
+#: the CPU time the trainer leaves idle and yields as soon as the trainer
+#: wakes up, instead of delaying its steps (README: benchmark).
+NICENESS = 10
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the workers' gloo group meets: the job's store, as
+    ``("tcp", host, port)`` or ``("file", path)``, and the key ``prefix`` of
+    this group."""
+
+    store: tuple
+    prefix: str
+
+
+@dataclass
+class SaveJob:
+    """One save for the worker.  ``layout`` is set only when the staging
+    buffer changed or the worker is new, ``plan_entry`` (the trainer's copy
+    of the plan cache) only when the worker is new; ``error`` is a failure
+    of the trainer before the save could start (staging), reported to every
+    rank in the save's first step."""
+
+    seq: int
+    save_id: str
+    checkpoint_id: str
+    storage: StoragePlugin | None
+    storage_options: dict
+    planner: SavePlanner | None
+    coordination: str
+    overwrite: bool
+    json_values: dict[str, str]
+    pickled: dict[str, bytes]
+    rank: int
+    world_size: int
+    timeout: float
+    rendezvous: Rendezvous | None
+    layout: Layout | None
+    plan_entry: CacheEntry | None
+    error: CheckpointError | None
+
+
+@dataclass
+class Outcome:
+    """The worker's answer to job ``seq``: the committed ``metadata`` or the
+    ``error``; seconds spent deciding the plan (``planning_s``) and on the
+    whole job (``persist_s``); whether plans were exchanged, and then the
+    new ``plan_entry``."""
+
+    seq: int
+    metadata: Metadata | None = None
+    error: CheckpointError | None = None
+    planning_s: float = 0.0
+    persist_s: float = 0.0
+    exchanged: bool = False
+    plan_entry: CacheEntry | None = None
+
+
+class WorkerHandle:
+    """The trainer's side of one worker process (spawned on construction)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(child,), name="dcp-async-save", daemon=True)
+        self.process.start()
+        child.close()
+
+    def submit(self, job: SaveJob) -> None:
+        """Send ``job`` (a small message, plus the buffer's descriptor when
+        ``job.layout`` is set).  Raises :class:`CheckpointError` if the
+        worker is gone."""
+        try:
+            self._conn.send(job)
+        except OSError as e:
+            raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) is "
+                                  f"gone: {e}") from e
+
+    def wait(self) -> Outcome:
+        """The outcome of the job submitted last.  Raises
+        :class:`CheckpointError` as soon as the worker process dies."""
+        wait_ready([self._conn, self.process.sentinel])
+        try:
+            if self._conn.poll():
+                return self._conn.recv()
+        except (EOFError, OSError):
+            pass
+        self.process.join(5)
+        raise CheckpointError(
+            f"the async-save worker process (pid {self.process.pid}) died (exit code "
+            f"{self.process.exitcode}); this save was not committed")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit after its current job; kill it after
+        ``timeout`` seconds."""
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+
+def _main(conn) -> None:
+    torch.set_num_threads(1)
+    os.nice(NICENESS)
+    worker = _Worker()
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the trainer is gone
+            return
+        if job is None:
+            return
+        outcome, cleanup = worker.run(job)
+        conn.send(outcome)
+        cleanup()
+
+
+class _Worker:
+    """What a worker keeps across saves: the staging layout, the plan cache
+    and its gloo group."""
+
+    def __init__(self) -> None:
+        self.layout: Layout | None = None
+        self.cache = PlanCache()
+        self.group_prefix: str | None = None
+
+    def run(self, job: SaveJob) -> tuple[Outcome, Callable[[], None]]:
+        start = time.perf_counter()
+        if job.layout is not None:
+            self.layout = job.layout
+        if job.plan_entry is not None:
+            self.cache.entry = job.plan_entry
+        cleanup: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
+            planner = job.planner if job.planner is not None else default_planner("save")
+            state = self.layout.state(job.json_values, job.pickled) if self.layout else SaveState()
+
+            def describe() -> SaveState:
+                if job.error is not None:
+                    raise job.error
+                return state
+
+            if job.coordination == "none":
+                coord = LocalCoordinator(job.rank, job.world_size)
+                metadata = IndependentSave(describe, storage, planner, coord, job.overwrite).run(job.save_id)
+                outcome = Outcome(job.seq, metadata)
+            else:
+                coord = self._coordinator(job, storage)
+                if isinstance(coord, FileCoordinator):
+                    cleanup = coord.close
+                done = self.cache.save(_Save(describe, storage, planner, coord, job.overwrite),
+                                       job.save_id)
+                outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
+                                  exchanged=done.exchanged,
+                                  plan_entry=self.cache.entry if done.exchanged else None)
+        except Exception as e:  # every failure goes back to the trainer
+            if not isinstance(e, CheckpointError):
+                e = CheckpointError(f"rank {job.rank}: async save of {job.checkpoint_id!r} failed: "
+                                    f"{type(e).__name__}: {e}")
+            outcome = Outcome(job.seq, error=e)
+        outcome.persist_s = time.perf_counter() - start
+        return outcome, cleanup
+
+    def _coordinator(self, job: SaveJob, storage: StoragePlugin) -> CoordinatorBase:
+        if job.coordination == "file":
+            return FileCoordinator(storage, job.save_id, job.rank, job.world_size, job.timeout)
+        if job.world_size == 1:
+            return LocalCoordinator(0, 1)
+        self._join_group(job.rendezvous, job.rank, job.world_size, job.timeout)
+        return Coordinator()
+
+    def _join_group(self, rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> None:
+        """Make the worker's default process group the gloo group of
+        ``rendezvous`` (rebuilt when its prefix changed)."""
+        if self.group_prefix == rendezvous.prefix:
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            self.group_prefix = None
+        arrival = datetime.timedelta(seconds=max(timeout, RENDEZVOUS_S))
+        kind, *where = rendezvous.store
+        if kind == "tcp":
+            base: Any = dist.TCPStore(where[0], where[1], is_master=False, timeout=arrival,
+                                      wait_for_workers=False)
+        else:
+            base = dist.FileStore(where[0], -1)
+        store = dist.PrefixStore(rendezvous.prefix, base)
+        store.set(f"arrived/{rank}", "1")
+        store.wait([f"arrived/{r}" for r in range(world_size)], arrival)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        self.group_prefix = rendezvous.prefix

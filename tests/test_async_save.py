@@ -1,0 +1,545 @@
+"""Asynchronous save: mutate-after-return for every coordination mode at 2
+and 4 ranks, plan-cache hits and invalidation, consecutive saves, torn
+exchange files, a background process that raises or is killed, and
+resharded loads of async-saved checkpoints.
+
+Multi-rank scenarios run in the shared gloo groups of dist_harness (W=2 in
+phase 0, W=4 in phase 1, which loads the W=2 group's checkpoint); the file
+protocol's pieces are tested in this process, with threads and a forked
+writer."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import dcp
+from dcp import independent, wire
+from dcp.async_save import async_save_counters
+from dcp.file_coordination import EXCHANGE_PREFIX, FileCoordinator
+from dcp.planner import SavePlan, TensorDecl, WriteItem
+from dist_harness import dist_scenario
+from helpers import assert_bitwise_equal, make_dtensor, randn
+from storage_plugins.posix import PosixStorage
+
+MODES = ("gloo", "file", "none")
+WAIT = 120  # seconds: bound on every result() of a healthy save
+
+
+class FlakyStorage(PosixStorage):
+    """POSIX storage (picklable, unlike helpers.FailingStorage) that sleeps
+    ``delay`` seconds before writing each data file, and raises on data file
+    writes if ``fail``."""
+
+    def __init__(self, checkpoint_id, *, delay: float = 0.0, fail: bool = False, **options):
+        super().__init__(checkpoint_id, **options)
+        self.delay, self.fail = delay, fail
+
+    def write_file(self, name, buffers):
+        if name.endswith(".data"):
+            time.sleep(self.delay)
+            if self.fail:
+                raise OSError(28, "injected: no space left on device", name)
+        super().write_file(name, buffers)
+
+
+@contextlib.contextmanager
+def merged_metadata():
+    """Let dcp.load read the per-rank metadata files of coordination='none'
+    saves: the one-line hook of dcp/load.py (its read_metadata_bytes becoming
+    dcp.independent.read_metadata_bytes), applied here until it lands."""
+    load_module = importlib.import_module("dcp.load")
+    original = load_module.read_metadata_bytes
+    load_module.read_metadata_bytes = independent.read_metadata_bytes
+    try:
+        yield
+    finally:
+        load_module.read_metadata_bytes = original
+
+
+def load(target, path):
+    """dcp.load after a barrier: with coordination='none' each rank's
+    result() covers only its own part, so the checkpoint is complete once
+    every rank's result() has returned."""
+    torch.distributed.barrier()
+    with merged_metadata():
+        return dcp.load(target, str(path))
+
+
+# ------------------------------------------------------------ state dicts
+def state(ctx, seed: int, placements="S0", mesh=None, tag: str = "") -> dict:
+    """~2.5 MiB per rank: a sharded DTensor (1 MiB global), a replicated
+    bf16 tensor, a non-contiguous view, 0-dim optimizer scalars and JSON
+    values; deterministic in ``seed``."""
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (ctx.world_size,))
+    base = randn((256, 512), seed + 2)
+    return {
+        "model": {
+            f"w{tag}": make_dtensor(randn((512, 512), seed), mesh, placements),
+            "emb": randn((1024, 256), seed + 1, torch.bfloat16),
+            "cols": base[:, ::2],
+        },
+        "optim": {"step": torch.tensor(float(seed)), "count": torch.tensor(seed),
+                  "lr": 0.01, "betas": [0.9, 0.95]},
+    }
+
+
+def zeros_like_state(sd) -> dict:
+    def zero(v):
+        if isinstance(v, DTensor):
+            return make_dtensor(torch.zeros(v.shape, dtype=v.dtype), v.device_mesh, list(v.placements))
+        if isinstance(v, torch.Tensor):
+            return torch.zeros(v.shape, dtype=v.dtype)
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        return None
+    return zero(sd)
+
+
+def mutate(sd) -> None:
+    """Change every value in place, as an optimizer step would."""
+    for v in sd["model"].values():
+        (v.to_local() if isinstance(v, DTensor) else v).add_(1)
+    sd["optim"]["step"].add_(1)
+    sd["optim"]["count"].add_(1)
+    sd["optim"]["betas"].append(0.5)
+
+
+def assert_state_equal(actual, expected, path="") -> None:
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{path}: keys {sorted(actual)} != {sorted(expected)}"
+        for k in expected:
+            assert_state_equal(actual[k], expected[k], f"{path}.{k}")
+    elif isinstance(expected, DTensor):
+        assert list(actual.placements) == list(expected.placements), path
+        assert_bitwise_equal(actual.to_local(), expected.to_local(), path)
+    elif isinstance(expected, torch.Tensor):
+        assert_bitwise_equal(actual, expected, path)
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def staged_bytes(sd) -> int:
+    tensors = [v.to_local() if isinstance(v, DTensor) else v for v in sd["model"].values()]
+    tensors += [sd["optim"]["step"], sd["optim"]["count"]]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def exchange_files(path) -> list[str]:
+    return [n for n in os.listdir(path) if n.startswith(EXCHANGE_PREFIX)]
+
+
+def assert_exchange_files_removed(path) -> None:
+    """The coordinator's worker removes the last exchange files right after
+    the commit, once every rank has read the outcome."""
+    deadline = time.monotonic() + 30
+    while exchange_files(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not exchange_files(path), f"exchange files left after commit: {exchange_files(path)}"
+
+
+def wait_for(event: threading.Event, what: str) -> None:
+    assert event.wait(30), f"{what} did not happen within 30 s"
+
+
+# ============================================================ W=2, phase 0
+@dist_scenario(world_size=2, phase=0)
+def test_mutate_after_return_every_mode_w2(ctx):
+    """CPU tensors, 0-dim tensors, a non-contiguous view and DTensor shards
+    changed in place right after async_save returns: the checkpoint holds the
+    values at the call, in every coordination mode."""
+    for i, mode in enumerate(MODES):
+        path = ctx.dir / mode
+        sd = state(ctx, 10 + i)
+        called = threading.Event()
+        response = dcp.async_save(sd, str(path), coordination=mode,
+                                  callback=lambda r: called.set())
+        assert response.staged.done()
+        mutate(sd)
+        md = response.result(WAIT)
+        assert response.done() and isinstance(md, dcp.Metadata)
+        wait_for(called, f"{mode}: the completion callback")
+        assert response.stats.staged_bytes == staged_bytes(sd), response.stats
+        target = zeros_like_state(sd)
+        load(target, path)
+        assert_state_equal(target, state(ctx, 10 + i))
+        assert_exchange_files_removed(path)
+        names = set(os.listdir(path))
+        if mode == "none":
+            assert "metadata.json" not in names
+            assert {"metadata.rank00000.json", "metadata.rank00001.json"} <= names
+        else:
+            assert "metadata.json" in names and md.world_size == 2
+    sd = state(ctx, 20)
+    dcp.async_save(sd, str(ctx.shared / "async_w2_shard0"), coordination="gloo").result(WAIT)
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_plan_cache_hit_then_invalidated_by_resharding_w2(ctx):
+    """Same structure twice: one plan exchange.  Shard(0) -> Shard(1): a new
+    exchange and a correct checkpoint.  A structure change on rank 1 only
+    (rank 0 hits, writes speculatively, and must replan): a correct
+    checkpoint with no stray files."""
+    for mode in ("gloo", "file"):
+        def save(seed, placements, extra=False):
+            sd = state(ctx, seed, placements, tag=mode)
+            if extra and ctx.rank == 1:
+                sd["extra"] = dcp.TensorShard(randn((64, 64), 99), (64, 64), (0, 0))
+            path = ctx.dir / f"{mode}{seed}"
+            response = dcp.async_save(sd, str(path), coordination=mode)
+            md = response.result(WAIT)
+            return response, md, path
+
+        start = async_save_counters().plan_exchanges
+        r1, _, _ = save(1, "S0")
+        r2, _, p2 = save(2, "S0")
+        assert (r1.stats.plan_exchanged, r2.stats.plan_exchanged) == (True, False)
+        assert async_save_counters().plan_exchanges == start + 1
+        r3, _, p3 = save(3, "S1")
+        assert r3.stats.plan_exchanged and async_save_counters().plan_exchanges == start + 2
+        r4, md4, p4 = save(4, "S1", extra=True)
+        assert r4.stats.plan_exchanged and async_save_counters().plan_exchanges == start + 3
+        r5, _, _ = save(5, "S1", extra=True)
+        assert not r5.stats.plan_exchanged and async_save_counters().plan_exchanges == start + 3
+
+        for seed, placements, path in ((2, "S0", p2), (3, "S1", p3)):
+            target = zeros_like_state(state(ctx, 0, placements, tag=mode))
+            load(target, path)
+            assert_state_equal(target, state(ctx, seed, placements, tag=mode))
+        target = zeros_like_state(state(ctx, 0, "S1", tag=mode))
+        target["extra"] = torch.zeros(64, 64)
+        load(target, p4)
+        expected = state(ctx, 4, "S1", tag=mode)
+        expected["extra"] = randn((64, 64), 99)
+        assert_state_equal(target, expected)
+        stray = set(os.listdir(p4)) - md4.files() - {"metadata.json"}
+        assert not stray, f"{mode}: files not in the metadata: {stray}"
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_consecutive_async_saves_reuse_buffers_and_load_bit_exact_w2(ctx):
+    """A second async_save called while the first is in flight waits for it;
+    both load bit-exact.  The staging buffer is allocated once, and what
+    goes to the worker is small messages (the tensors travel by shared
+    memory, never pickled)."""
+    from dcp import worker as worker_module
+
+    sizes = []
+    submit = worker_module.WorkerHandle.submit
+
+    def measuring_submit(handle, job):
+        sizes.append(len(multiprocessing.reduction.ForkingPickler.dumps(job)))
+        return submit(handle, job)
+
+    worker_module.WorkerHandle.submit = measuring_submit
+    try:
+        sd = state(ctx, 30, tag="c")
+        before = async_save_counters()
+        first = dcp.async_save(sd, str(ctx.dir / "first"))
+        mutate(sd)
+        second = dcp.async_save(sd, str(ctx.dir / "second"), blocking_staging=False)
+        assert first.done(), "a second async_save did not wait for the one in flight"
+        second.staged.result(WAIT)
+        mutate(sd)
+        second.result(WAIT)
+        third = dcp.async_save(sd, str(ctx.dir / "third"))
+        third.result(WAIT)
+    finally:
+        worker_module.WorkerHandle.submit = submit
+    after = async_save_counters()
+    assert after.staging_allocations == before.staging_allocations + 1, (before, after)
+    assert after.bytes_staged - before.bytes_staged == 3 * staged_bytes(sd)
+    assert max(sizes) < 64 * 1024 < staged_bytes(sd), f"messages to the worker: {sizes} bytes"
+
+    expected = state(ctx, 30, tag="c")
+    for name in ("first", "second", "third"):
+        target = zeros_like_state(sd)
+        load(target, ctx.dir / name)
+        assert_state_equal(target, expected)
+        mutate(expected)
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_load_of_a_save_in_flight_refuses_or_waits_w2(ctx):
+    path = ctx.dir / "ckpt"
+    sd = state(ctx, 40)
+    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), delay=1.5))
+    with pytest.raises(dcp.NotACheckpointError):
+        dcp.load(zeros_like_state(sd), str(path))
+    assert not response.done()
+    dcp.pending.wait(str(path))  # what dcp.load does first, with the load.py hook
+    assert response.done()
+    target = zeros_like_state(sd)
+    dcp.load(target, str(path))
+    assert_state_equal(target, state(ctx, 40))
+
+
+@dist_scenario(world_size=2, phase=0, last=True)
+def test_background_failure_fails_every_rank_and_the_next_save_works_w2(ctx):
+    """A write error in rank 1's worker: result() raises on both ranks
+    (coordinated modes) naming rank 1; the previous checkpoint at the same
+    path (overwrite=True) stays loadable; the next save works.  With
+    coordination='none' only rank 1 knows, and the checkpoint is refused as
+    incomplete."""
+    failures = async_save_counters().failures
+    for i, mode in enumerate(MODES):
+        path = ctx.dir / mode
+        dcp.async_save(state(ctx, 50 + i), str(path), coordination=mode).result(WAIT)
+        target = path if mode != "none" else ctx.dir / f"{mode}-failed"
+        bad = FlakyStorage(str(target), fail=ctx.rank == 1)
+        response = dcp.async_save(state(ctx, 60 + i), str(target), coordination=mode,
+                                  storage=bad, overwrite=True)
+        if mode != "none" or ctx.rank == 1:
+            with pytest.raises(dcp.CheckpointError) as ei:
+                response.result(WAIT)
+            assert "rank 1" in str(ei.value) and "no space left" in str(ei.value), str(ei.value)
+        else:
+            response.result(WAIT)
+        sd = zeros_like_state(state(ctx, 0))
+        load(sd, path)
+        assert_state_equal(sd, state(ctx, 50 + i))
+        if mode == "none":
+            with pytest.raises(dcp.NotACheckpointError, match="rank.* 1 of 2 never committed"):
+                load(zeros_like_state(state(ctx, 0)), target)
+        dcp.async_save(state(ctx, 70 + i), str(ctx.dir / f"{mode}-next"),
+                       coordination=mode).result(WAIT)
+        load(sd, ctx.dir / f"{mode}-next")
+        assert_state_equal(sd, state(ctx, 70 + i))
+    assert async_save_counters().failures - failures == (3 if ctx.rank == 1 else 2)
+
+
+@dist_scenario(world_size=2, phase=0, last=True)
+def test_killed_background_process_fails_every_rank_and_the_next_save_works_w2(ctx):
+    """kill -9 of rank 1's worker mid-save: result() raises on every rank
+    (rank 0 after the coordination timeout), the previous checkpoint stays
+    loadable, the partial one is refused as incomplete, and the next
+    async_save (a new worker, a new gloo group) works."""
+    for i, mode in enumerate(MODES):
+        previous, partial = ctx.dir / f"{mode}-previous", ctx.dir / f"{mode}-partial"
+        dcp.async_save(state(ctx, 80 + i), str(previous), coordination=mode).result(WAIT)
+        response = dcp.async_save(state(ctx, 90 + i), str(partial), coordination=mode, timeout=3,
+                                  storage=FlakyStorage(str(partial), delay=2.0))
+        if ctx.rank == 1:
+            workers = [p for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
+            assert len(workers) == 1, workers
+            os.kill(workers[0].pid, signal.SIGKILL)
+        if mode != "none" or ctx.rank == 1:
+            with pytest.raises(dcp.CheckpointError) as ei:
+                response.result(WAIT)
+            if ctx.rank == 1:
+                assert "died" in str(ei.value), str(ei.value)
+        else:
+            response.result(WAIT)
+        sd = zeros_like_state(state(ctx, 0))
+        load(sd, previous)
+        assert_state_equal(sd, state(ctx, 80 + i))
+        with pytest.raises(dcp.NotACheckpointError):
+            load(zeros_like_state(state(ctx, 0)), partial)
+        dcp.async_save(state(ctx, 100 + i), str(ctx.dir / f"{mode}-next"),
+                       coordination=mode).result(WAIT)
+        load(sd, ctx.dir / f"{mode}-next")
+        assert_state_equal(sd, state(ctx, 100 + i))
+
+
+# ============================================================ W=4, phase 1
+def _mesh_2d():
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_mutate_after_return_every_mode_w4_with_replicas(ctx):
+    """2-D mesh, DTensors replicated over dp and sharded over tp: each chunk
+    is held by two ranks and written once in every mode (by the coordinator's
+    dedup, or by the owner rule of coordination='none')."""
+    mesh = _mesh_2d()
+    for i, mode in enumerate(MODES):
+        path = ctx.dir / mode
+        sd = state(ctx, 110 + i, "R,S0", mesh)
+        response = dcp.async_save(sd, str(path), coordination=mode)
+        mutate(sd)
+        response.result(WAIT)
+        target = zeros_like_state(sd)
+        load(target, path)
+        assert_state_equal(target, state(ctx, 110 + i, "R,S0", mesh))
+        with merged_metadata():
+            md = dcp.read_metadata(str(path))
+        assert md.stored_bytes == md.unique_bytes, (mode, md.stored_bytes, md.unique_bytes)
+        assert_exchange_files_removed(path)
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_resharded_load_of_a_w2_async_checkpoint_w4(ctx):
+    """The W=2 Shard(0) checkpoint of the phase-0 group, loaded by 4 ranks
+    as Shard(1) and as a 2-D (Shard(1), Shard(0)) layout."""
+    path = ctx.shared / "async_w2_shard0"
+    for placements, mesh in (("S1", None), ("S1,S0", _mesh_2d())):
+        target = zeros_like_state(state(ctx, 0, placements, mesh))
+        dcp.load(target, str(path))
+        assert_state_equal(target, state(ctx, 20, placements, mesh))
+
+
+# ============================================================ one process
+def test_single_process_async_save_mutate_after_return(tmp_path):
+    sd = {"w": randn((256, 1024), 1), "view": randn((64, 64), 2).t(),
+          "step": torch.tensor(3), "flag": torch.tensor(True), "note": "x"}
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    response = dcp.async_save(sd, str(tmp_path / "a"))
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            v.logical_not_() if v.dtype == torch.bool else v.add_(1)
+    response.result(WAIT)
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+    dcp.load(target, str(tmp_path / "a"))
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert_bitwise_equal(target[k], v, k)
+        else:
+            assert target[k] == v
+    with pytest.raises(dcp.CheckpointError, match="coordination must be one of"):
+        dcp.async_save(sd, str(tmp_path / "b"), coordination="nccl")
+
+
+def test_exchange_payloads_are_json_and_never_unpickled():
+    plan = SavePlan({"w": TensorDecl((4, 2), "float32")}, [WriteItem("w", (0, 0), (4, 2), 32)])
+    value = ((plan, None), {("w", (0, 0)): 7}, b"\x00\xff", [1.5, None, "s"])
+    data = wire.encode(value)
+    json.loads(data)  # plain JSON
+    assert wire.decode(data, "f") == value
+    for crafted in (pickle.dumps(plan), b'{"c":"os.system","f":"true"}', b'{"t":[1],"d":[]}',
+                    b'{"c":"SavePlan","f":{"d":[["tensors",{"d":[]}]]}}'):
+        with pytest.raises(dcp.CheckpointError, match="crafted: malformed exchange payload"):
+            wire.decode(crafted, "crafted")
+
+
+def test_torn_exchange_files_are_never_read_as_complete(tmp_path):
+    storage = PosixStorage(str(tmp_path))
+    payload = wire.encode({"plan": list(range(40))})
+    storage.write_exchange("x", payload)
+    complete = (tmp_path / "x").read_bytes()
+    assert storage.read_exchange("x") == payload
+    for cut in range(len(complete)):
+        (tmp_path / "x").write_bytes(complete[:cut])
+        assert storage.read_exchange("x") is None, f"a file torn at byte {cut} was accepted"
+    flipped = bytearray(complete)
+    flipped[3] ^= 0x10
+    for damaged in (bytes(flipped), complete + b"\x00", payload):
+        (tmp_path / "x").write_bytes(damaged)
+        assert storage.read_exchange("x") is None
+
+
+class _StallingStorage(PosixStorage):
+    """Writes each buffer separately and stalls before the last one (the
+    completion trailer of an exchange file)."""
+
+    def write_file(self, name, buffers):
+        with open(self._path(name), "wb") as f:
+            for i, buf in enumerate(buffers):
+                if i == len(buffers) - 1:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    time.sleep(60)
+                f.write(buf)
+
+
+def test_writer_killed_mid_write_leaves_a_file_the_coordinator_refuses(tmp_path):
+    """A rank's worker killed (SIGKILL) while writing its exchange file: the
+    coordinator never accepts the torn file and times out naming the rank."""
+    key = "k"
+    coordinator = FileCoordinator(PosixStorage(str(tmp_path)), key, 0, 2, timeout=0.5)
+    torn = tmp_path / f"{EXCHANGE_PREFIX}{key}.000.in.r00001"
+    pid = os.fork()
+    if pid == 0:  # the writer: rank 1's part of step 0
+        try:
+            _StallingStorage(str(tmp_path)).write_exchange(torn.name, wire.encode(((1, 2), None)))
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while not (torn.exists() and torn.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert torn.stat().st_size > 0
+    with pytest.raises(dcp.CheckpointError) as ei:
+        coordinator.gather_broadcast("save planning", lambda: (0, 1), lambda parts: parts)
+    assert "rank 1 never arrived" in str(ei.value) and torn.name in str(ei.value), str(ei.value)
+
+
+class _CountingStorage(PosixStorage):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads = 0
+
+    def read_exchange(self, name):
+        self.reads += 1
+        return super().read_exchange(name)
+
+
+def test_file_protocol_steps_failures_timeouts_and_cleanup(tmp_path):
+    """Three ranks on threads: per-rank and shared answers, a failure on
+    rank 2 reaching everyone, a rank that never arrives, a coordinator that
+    never answers (each rank reads only its own answer, and polls with
+    backoff), and no exchange file left after close()."""
+    world = 3
+
+    def run_ranks(key, body, ranks=range(world), timeout=10.0):
+        results, storages = {}, {}
+
+        def one(rank):
+            storages[rank] = _CountingStorage(str(tmp_path))
+            coord = FileCoordinator(storages[rank], key, rank, world, timeout)
+            try:
+                results[rank] = body(coord)
+            except dcp.CheckpointError as e:
+                results[rank] = e
+            coord.close()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return results, storages
+
+    def body(coord):
+        mine = coord.gather_scatter("planning", lambda: coord.rank * 10,
+                                    lambda parts: [p + 1 for p in parts])
+        total = coord.gather_broadcast("commit", lambda: mine, sum)
+        return mine, total
+
+    results, storages = run_ranks("ok", body)
+    assert results == {0: (1, 33), 1: (11, 33), 2: (21, 33)}
+    assert not exchange_files(tmp_path)
+
+    def failing(coord):
+        def local():
+            if coord.rank == 2:
+                raise OSError("disk on fire")
+            return coord.rank
+        return coord.run_all("writing", local)
+
+    results, _ = run_ranks("fail", failing)
+    for rank in range(world):
+        assert isinstance(results[rank], dcp.CheckpointError), results
+        assert "writing failed on rank 2" in str(results[rank]) and "disk on fire" in str(results[rank])
+    assert not exchange_files(tmp_path)
+
+    results, storages = run_ranks("missing", body, ranks=(0, 1), timeout=0.6)
+    for rank in (0, 1):
+        assert "rank 2 never arrived" in str(results[rank]), results[rank]
+    assert storages[0].reads < 3 * 30, f"{storages[0].reads} reads in 0.6 s: a busy loop"
+
+    results, storages = run_ranks("no-coordinator", body, ranks=(1,), timeout=0.6)
+    assert "no answer from the coordinator (rank 0)" in str(results[1]), results[1]
+    assert storages[1].reads < 2 * 40, f"{storages[1].reads} reads in 1.2 s: a busy loop"
