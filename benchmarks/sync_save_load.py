@@ -1,7 +1,9 @@
 """Synchronous save and load, with and without resharding.
 
-State dict (:data:`FULL`): 16 fp32 tensors of [2048, 4096] = 512 MiB, each either a plain tensor (replicated: every rank holds all of it)
-or a DTensor on a 1-D mesh over all ranks, ``Shard(0)`` or ``Shard(1)``.
+State dict (:data:`FULL`): 16 fp32 tensors of [2048, 4096] = 512 MiB, each either a plain tensor (replicated: every rank holds all of it),
+a DTensor on a 1-D mesh over all ranks, ``Shard(0)`` or ``Shard(1)``, or
+(``dp2tp2``) a DTensor on a 2-D mesh (W/2 data-parallel x 2 tensor-parallel)
+with ``[Replicate(), Shard(0)]``: every TP shard held by W/2 DP replicas.
 
 Scenarios:
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .common import Measurement, RunConfig, evict, gather_to_rank0, launch, timed_collective
 from .report import Row, Sample, TargetResult
@@ -52,16 +54,20 @@ QUICK = StateDictSpec(num_tensors=4, rows=64, cols=128)
 WARMUP = StateDictSpec(num_tensors=2, rows=16, cols=16)
 
 # Layout -> sharded dimension (None: replicated plain tensor).
-LAYOUTS: dict[str, int | None] = {"replicated": None, "shard0": 0, "shard1": 1}
+LAYOUTS: dict[str, int | None] = {"replicated": None, "shard0": 0, "shard1": 1, "dp2tp2": 0}
+TP = 2  # tensor-parallel size of the dp2tp2 layout
 
 SAVES: dict[str, str] = {
     "save_replicated": "replicated",
     "save_shard0": "shard0",
 }
 LOADS: dict[str, tuple[str, str]] = {
-    f"load_{src}_to_{dst}": (src, dst)
-    for src in ("replicated", "shard0")
-    for dst in ("shard0", "shard1")
+    **{f"load_{src}_to_{dst}": (src, dst)
+       for src in ("replicated", "shard0")
+       for dst in ("shard0", "shard1")},
+    # read once per replica group, broadcast to the rest
+    "load_replicated_to_replicated": ("replicated", "replicated"),
+    "load_dp2tp2_to_dp2tp2": ("dp2tp2", "dp2tp2"),
 }
 SCENARIOS: dict[str, str] = {
     **{name: f"save, {layout}" for name, layout in SAVES.items()},
@@ -104,6 +110,16 @@ def targets(rows: list[Row]) -> list[TargetResult]:
     results.append(TargetResult(
         "load_shard0_to_shard1 W=4: hyperdcp bytes read / bytes needed",
         row.read_amplification if row else None, limit=1.05, timing=False))
+    # each rank needs the whole checkpoint (replicated) or one TP shard of it
+    for scenario, shards in (("load_replicated_to_replicated", 1), ("load_dp2tp2_to_dp2tp2", TP)):
+        row = by_key.get((scenario, 4, "hyperdcp"))
+        results.append(TargetResult(
+            f"{scenario} W=4: hyperdcp bytes read, all ranks / checkpoint bytes",
+            row.read_total / (row.needed_per_rank * shards) if row else None,
+            limit=1.01, timing=False))
+        results.append(TargetResult(
+            f"{scenario} W=4: hyperdcp seconds / torch-dcp seconds",
+            row.seconds_ratio if row else None, limit=0.6, timing=True))
     return results
 
 
@@ -113,6 +129,9 @@ def targets(rows: list[Row]) -> list[TargetResult]:
 def _local_box(layout: str, spec: StateDictSpec, rank: int, world_size: int) -> tuple[int, int, int, int]:
     """(row offset, rows, col offset, cols) of this rank's part of each tensor."""
     dim = LAYOUTS[layout]
+    if layout == "dp2tp2":
+        rows = spec.rows // TP
+        return rank % TP * rows, rows, 0, spec.cols
     if dim == 0:
         rows = spec.rows // world_size
         return rank * rows, rows, 0, spec.cols
@@ -137,6 +156,10 @@ def _state_dict(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     box = _local_box(layout, spec, rank, world_size)
     dim = LAYOUTS[layout]
+    placements = [Shard(dim)] if dim is not None else None
+    if layout == "dp2tp2":
+        mesh = init_device_mesh("cpu", (world_size // TP, TP), mesh_dim_names=("dp", "tp"))
+        placements = [Replicate(), Shard(0)]
     state_dict = {}
     for i in range(spec.num_tensors):
         local = _pattern(i, box, spec) if filled else torch.zeros(box[1], box[3])
@@ -144,7 +167,7 @@ def _state_dict(
             local = DTensor.from_local(
                 local,
                 mesh,
-                [Shard(dim)],
+                placements,
                 run_check=False,
                 shape=torch.Size((spec.rows, spec.cols)),
                 stride=(spec.cols, 1),
