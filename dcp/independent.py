@@ -22,9 +22,9 @@ the same save id.  :func:`read_metadata_bytes` merges them.
 
 from __future__ import annotations
 
-import math
 import zlib
 
+from dcp.boxes import volume
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
 from dcp.save import SaveState, _Save, data_file_prefix
@@ -139,10 +139,10 @@ def _merge(parts: list[Metadata], checkpoint_id: str) -> Metadata:
             merged.objects.setdefault(fqn, obj)
     for fqn, t in merged.tensors.items():
         t.chunks.sort(key=lambda c: c.offsets)
-        covered = sum(math.prod(c.sizes) for c in t.chunks)
-        if covered != math.prod(t.shape):
+        covered = sum(volume(c.sizes) for c in t.chunks)
+        if covered != volume(t.shape):
             raise CorruptCheckpointError(
                 f"{checkpoint_id!r}: the ranks' chunks of {fqn!r} cover {covered} of its "
-                f"{math.prod(t.shape)} elements (a plain tensor not held by every rank of the "
+                f"{volume(t.shape)} elements (a plain tensor not held by every rank of the "
                 f"group cannot be saved with coordination='none')")
     return merged

@@ -32,7 +32,8 @@ from dcp import tensors
 from dcp.boxes import byte_runs
 from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination import Coordinator
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.independent import read_metadata_bytes
 from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
 from dcp.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, default_planner
 from dcp.state_dict import flatten
@@ -52,17 +53,6 @@ class LoadReport:
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
-
-
-def read_metadata_bytes(storage: StoragePlugin) -> bytes:
-    """The committed metadata file's bytes; :class:`NotACheckpointError` if
-    there is none."""
-    try:
-        return storage.read_file(METADATA_FILE)
-    except FileNotFoundError:
-        raise NotACheckpointError(
-            f"{storage.checkpoint_id!r} is not a checkpoint: it has no committed "
-            f"{METADATA_FILE} (never saved there, or the save did not complete)") from None
 
 
 def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,

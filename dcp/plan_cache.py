@@ -83,7 +83,7 @@ class PlanCache:
         """
         try:
             return self._save(job, save_id)
-        except Exception:
+        except Exception:  # any failure, a transport timeout included: clean up, re-raise
             self.entry = None
             job.storage.delete(job.written)
             raise

@@ -41,7 +41,7 @@ DATA_SUFFIX = ".data"
 
 
 @dataclass
-class _WriteResult:
+class WriteResult:
     """What a rank reports after writing: its chunks, the checksums of the
     replicas it holds, and its non-tensor values (JSON text or pickle)."""
 
@@ -51,7 +51,35 @@ class _WriteResult:
     pickled: dict[str, bytes] = field(default_factory=dict)
 
 
-wire.register(_WriteResult)
+wire.register(WriteResult)
+
+
+def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
+                   results: list[WriteResult]) -> Metadata:
+    """The tensors' metadata from every rank's write results (index = rank).
+
+    Raises :class:`CheckpointError` naming the fqn and both ranks if a rank
+    holds a replica whose checksum differs from the written chunk's.
+    """
+    md = Metadata(save_id=save_id, world_size=world_size)
+    for fqn, decl in decls.items():
+        md.tensors[fqn] = TensorMeta(decl.shape, decl.dtype)
+    written: dict[tuple[str, tuple[int, ...]], ChunkMeta] = {}
+    for result in results:
+        for fqn, chunk in result.chunks:
+            md.tensors[fqn].chunks.append(chunk)
+            written[(fqn, chunk.offsets)] = chunk
+    for rank, result in enumerate(results):
+        for (fqn, offsets), crc in result.replicas.items():
+            chunk = written[(fqn, offsets)]
+            if crc != chunk.checksum:
+                raise CheckpointError(
+                    f"{fqn!r}: ranks {chunk.rank} and {rank} hold different values for the "
+                    f"chunk at offsets {list(offsets)} (a replicated tensor must be equal on "
+                    f"every rank; give per-rank values distinct keys)")
+    for t in md.tensors.values():
+        t.chunks.sort(key=lambda c: c.offsets)
+    return md
 
 
 def encode_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[str | None, bytes | None]:
@@ -178,8 +206,8 @@ class _Save:
                 f"pass overwrite=True to replace it")
 
     # -- phase 2: writing
-    def write(self, save_id: str, plan: SavePlan) -> _WriteResult:
-        result = _WriteResult(json_values=self.state.json_values, pickled=self.state.pickled)
+    def write(self, save_id: str, plan: SavePlan) -> WriteResult:
+        result = WriteResult(json_values=self.state.json_values, pickled=self.state.pickled)
         mine = {(i.fqn, i.offsets) for i in plan.items}
         groups = _balance_files(plan.items, self.storage.thread_count)
         prefix = data_file_prefix(self.coord.rank)
@@ -214,25 +242,8 @@ class _Save:
         return out
 
     # -- phase 3: commit (coordinator)
-    def commit(self, save_id: str, results: list[_WriteResult]) -> Metadata:
-        md = Metadata(save_id=save_id, world_size=self.coord.world_size)
-        for fqn, decl in self.decls.items():
-            md.tensors[fqn] = TensorMeta(decl.shape, decl.dtype)
-        written: dict[tuple[str, tuple[int, ...]], ChunkMeta] = {}
-        for result in results:
-            for fqn, chunk in result.chunks:
-                md.tensors[fqn].chunks.append(chunk)
-                written[(fqn, chunk.offsets)] = chunk
-        for rank, result in enumerate(results):
-            for (fqn, offsets), crc in result.replicas.items():
-                chunk = written[(fqn, offsets)]
-                if crc != chunk.checksum:
-                    raise CheckpointError(
-                        f"{fqn!r}: ranks {chunk.rank} and {rank} hold different values for the "
-                        f"chunk at offsets {list(offsets)} (a replicated tensor must be equal on "
-                        f"every rank; give per-rank values distinct keys)")
-        for t in md.tensors.values():
-            t.chunks.sort(key=lambda c: c.offsets)
+    def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
+        md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
         try:
             self.storage.commit_file(self.metadata_file, encode(md), overwrite=self.overwrite)
@@ -257,7 +268,7 @@ class _Save:
             warnings.warn(f"{self.storage.checkpoint_id!r}: could not delete the replaced "
                           f"checkpoint's data files: {e}", stacklevel=2)
 
-    def _merge_objects(self, md: Metadata, results: list[_WriteResult], save_id: str) -> None:
+    def _merge_objects(self, md: Metadata, results: list[WriteResult], save_id: str) -> None:
         texts: dict[str, tuple[int, str]] = {}
         for rank, result in enumerate(results):
             for fqn, text in result.json_values.items():

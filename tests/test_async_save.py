@@ -10,8 +10,6 @@ writer."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
 import multiprocessing
 import os
@@ -26,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import dcp
-from dcp import independent, wire
+from dcp import wire
 from dcp.async_save import async_save_counters
 from dcp.file_coordination import EXCHANGE_PREFIX, FileCoordinator
 from dcp.planner import SavePlan, TensorDecl, WriteItem
@@ -55,27 +53,12 @@ class FlakyStorage(PosixStorage):
         super().write_file(name, buffers)
 
 
-@contextlib.contextmanager
-def merged_metadata():
-    """Let dcp.load read the per-rank metadata files of coordination='none'
-    saves: the one-line hook of dcp/load.py (its read_metadata_bytes becoming
-    dcp.independent.read_metadata_bytes), applied here until it lands."""
-    load_module = importlib.import_module("dcp.load")
-    original = load_module.read_metadata_bytes
-    load_module.read_metadata_bytes = independent.read_metadata_bytes
-    try:
-        yield
-    finally:
-        load_module.read_metadata_bytes = original
-
-
 def load(target, path):
     """dcp.load after a barrier: with coordination='none' each rank's
     result() covers only its own part, so the checkpoint is complete once
     every rank's result() has returned."""
     torch.distributed.barrier()
-    with merged_metadata():
-        return dcp.load(target, str(path))
+    return dcp.load(target, str(path))
 
 
 # ------------------------------------------------------------ state dicts
@@ -373,8 +356,7 @@ def test_mutate_after_return_every_mode_w4_with_replicas(ctx):
         target = zeros_like_state(sd)
         load(target, path)
         assert_state_equal(target, state(ctx, 110 + i, "R,S0", mesh))
-        with merged_metadata():
-            md = dcp.read_metadata(str(path))
+        md = dcp.read_metadata(str(path))
         assert md.stored_bytes == md.unique_bytes, (mode, md.stored_bytes, md.unique_bytes)
         assert_exchange_files_removed(path)
 

@@ -6,7 +6,6 @@ overwrites fail on EVERY rank and never commit."""
 from __future__ import annotations
 
 import collections
-import math
 import re
 
 import pytest

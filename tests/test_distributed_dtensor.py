@@ -7,7 +7,6 @@ Every ``@dist_scenario`` runs inside the one shared W=4 group of the session
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
