@@ -7,10 +7,11 @@ failure anywhere fails the save on every rank:
    to replace a committed checkpoint unless ``overwrite=True``, and the save
    planner deduplicates and balances the chunks;
 2. *writing* — every rank writes its chunks into ``thread_count``
-   size-balanced files in parallel, computing each chunk's CRC-32 as it goes,
-   and hashes the replicas it holds but does not write;
+   size-balanced files in parallel, computing each chunk's CRC-32C as it goes,
+   and fingerprints the replicas it holds but does not write
+   (:func:`fingerprint`);
 3. *commit* — the coordinator checks that every replica of a chunk has the
-   same checksum, builds the metadata and commits it atomically, last.  Only
+   same fingerprint, builds the metadata and commits it atomically, last.  Only
    then, with ``overwrite=True``, are the previous checkpoint's data files
    deleted: new data files carry the save's id in their names, so until the
    commit the previous checkpoint stays whole and loadable.
@@ -40,12 +41,42 @@ from dcp.storage import StoragePlugin, open_storage
 DATA_SUFFIX = ".data"
 
 
+#: Replicas up to this many bytes are compared in full; larger ones by a
+#: sample of the same size (:func:`fingerprint`).
+REPLICA_SAMPLE_BYTES = 1 << 20
+_SAMPLE_PIECES = 256
+
+
+def fingerprint(buffer: memoryview) -> int:
+    """What replicas of a chunk are compared by: the CRC-32C of its bytes, or,
+    for a chunk over :data:`REPLICA_SAMPLE_BYTES`, of 256 evenly spaced 4 KiB
+    pieces of them.
+
+    Hashing every replica in full would cost every holder a pass over all
+    its replicated bytes (measured: 2.5x the time of a replicated save at
+    W=4); replicas that diverged in training (other seeds, a missed
+    all-reduce) differ throughout and are caught by the sample, while a
+    difference confined to a few elements of a large chunk can escape it.
+    """
+    if len(buffer) <= REPLICA_SAMPLE_BYTES:
+        return checksum(buffer)
+    piece = REPLICA_SAMPLE_BYTES // _SAMPLE_PIECES
+    value = 0
+    for i in range(_SAMPLE_PIECES):  # the first piece starts the chunk, the last ends it
+        start = i * (len(buffer) - piece) // (_SAMPLE_PIECES - 1)
+        value = checksum(buffer[start:start + piece], value)
+    return value
+
+
 @dataclass
 class WriteResult:
-    """What a rank reports after writing: its chunks, the checksums of the
-    replicas it holds, and its non-tensor values (JSON text or pickle)."""
+    """What a rank reports after writing: its chunks, the fingerprints of its
+    written chunks larger than :data:`REPLICA_SAMPLE_BYTES` and of the
+    replicas it holds but did not write, and its non-tensor values (JSON text
+    or pickle)."""
 
     chunks: list[tuple[str, ChunkMeta]] = field(default_factory=list)
+    fingerprints: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
     replicas: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
     json_values: dict[str, str] = field(default_factory=dict)
     pickled: dict[str, bytes] = field(default_factory=dict)
@@ -65,14 +96,16 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     for fqn, decl in decls.items():
         md.tensors[fqn] = TensorMeta(decl.shape, decl.dtype)
     written: dict[tuple[str, tuple[int, ...]], ChunkMeta] = {}
+    prints: dict[tuple[str, tuple[int, ...]], int] = {}
     for result in results:
         for fqn, chunk in result.chunks:
             md.tensors[fqn].chunks.append(chunk)
             written[(fqn, chunk.offsets)] = chunk
+        prints.update(result.fingerprints)
     for rank, result in enumerate(results):
-        for (fqn, offsets), crc in result.replicas.items():
+        for (fqn, offsets), value in result.replicas.items():
             chunk = written[(fqn, offsets)]
-            if crc != chunk.checksum:
+            if value != prints.get((fqn, offsets), chunk.checksum):
                 raise CheckpointError(
                     f"{fqn!r}: ranks {chunk.rank} and {rank} hold different values for the "
                     f"chunk at offsets {list(offsets)} (a replicated tensor must be equal on "
@@ -220,26 +253,32 @@ class _Save:
                       for name, group in zip(names, groups)]
             hashes = {key: pool.submit(self._hash, key) for key in replicas}
             for future in writes:
-                result.chunks.extend(future.result())
+                chunks, prints = future.result()
+                result.chunks.extend(chunks)
+                result.fingerprints.update(prints)
             result.replicas = {key: f.result() for key, f in hashes.items()}
         return result
 
     def _hash(self, key) -> int:
-        return checksum(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
+        return fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
 
-    def _write_file(self, name: str, group: list[WriteItem]) -> list[tuple[str, ChunkMeta]]:
-        buffers, out, offset = [], [], 0
+    def _write_file(self, name: str, group: list[WriteItem]):
+        """Write one data file; returns its chunks' metadata and the
+        fingerprints of those over :data:`REPLICA_SAMPLE_BYTES`."""
+        buffers, out, prints, offset = [], [], {}, 0
         for item in group:
             buf = tensors.byte_view(tensors.to_host(self.state.chunks[(item.fqn, item.offsets)].data))
             buffers.append(buf)
             out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset, len(buf),
                                             checksum(buf), self.coord.rank)))
+            if len(buf) > REPLICA_SAMPLE_BYTES:
+                prints[(item.fqn, item.offsets)] = fingerprint(buf)
             offset += len(buf)
         try:
             self.storage.write_file(name, buffers)
         except Exception as e:
             raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed: {e}") from e
-        return out
+        return out, prints
 
     # -- phase 3: commit (coordinator)
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:

@@ -136,6 +136,14 @@ def test_diverged_replicas_fail_save_on_all_ranks_naming_the_fqn(ctx):
     ctx.barrier()
     assert not (ckpt / "metadata.json").exists(), "a failed save committed metadata"
 
+    # A replica over the fingerprint's sample size (compared by a sample of
+    # its bytes) that diverged throughout, as replicas seeded differently do.
+    large = randn((1024, 512), seed=3 if ctx.rank != 1 else 4)  # 2 MiB
+    with pytest.raises(dcp.CheckpointError, match=r"model\.large"):
+        dcp.save({"model": {"large": large}}, str(ctx.dir / "ckpt3"))
+    ctx.barrier()
+    assert not (ctx.dir / "ckpt3" / "metadata.json").exists()
+
     # A 0-dim "step" counter that differs on one rank.
     step = torch.tensor(5 if ctx.rank != 0 else 6)
     with pytest.raises(dcp.CheckpointError, match=r"optim\.step"):
