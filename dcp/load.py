@@ -41,6 +41,21 @@ from dcp.storage import StoragePlugin, open_storage
 
 
 @dataclass
+class _Read:
+    """One region on its way from storage: the byte ``ranges`` to read into
+    ``view`` (the bytes of ``buf``), then check and copy into ``dest``."""
+
+    item: ReadItem
+    chunk: object
+    dest: object
+    buf: object
+    view: memoryview
+    ranges: list
+    check: bool
+    direct: bool
+
+
+@dataclass
 class LoadReport:
     """What a load did on this rank.
 
@@ -119,8 +134,7 @@ class _Load:
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
             # reads feeding broadcasts first, in the order the broadcasts run
             reads = {item: pool.submit(self._read_item, item) for item in sourced}
-            own = [pool.submit(lambda items: [self._read_item(i) for i in items], items)
-                   for items in by_file.values()]
+            own = [pool.submit(self._read_file, name, items) for name, items in by_file.items()]
             if plan.transfers:
                 self._run_transfers(plan, reads)
             for future in [*own, *reads.values()]:
@@ -172,49 +186,74 @@ class _Load:
         """Read one region from storage into its target; returns a host
         tensor of the saved dtype holding it (the target's own memory when
         it could be read in place)."""
+        read = self._prepare(item)
+        self._fetch(item.fqn, read.chunk, read.ranges)
+        return self._finish(read)
+
+    def _read_file(self, name: str, items: list[ReadItem]) -> None:
+        """Read regions of one file with a single ``read_ranges`` call (one
+        open, or one batch of concurrent requests on object stores)."""
+        reads = [self._prepare(item) for item in items]
+        try:
+            self.storage.read_ranges(name, [r for read in reads for r in read.ranges])
+        except Exception:  # find the region at fault, to name it
+            for read in reads:
+                self._fetch(read.item.fqn, read.chunk, read.ranges)
+            raise
+        for read in reads:
+            self._finish(read)
+
+    def _prepare(self, item: ReadItem) -> "_Read":
+        """Where a region's bytes go: straight into the target when its
+        layout allows, else into a host buffer (the whole chunk with
+        ``verify="all"``)."""
         saved = self.metadata.tensors[item.fqn]
         chunk = saved.chunks[item.chunk]
         dest = self._target_region(item)
         whole = item.sizes == chunk.sizes
         if not whole and self.verify == "all":
-            buf = tensors.empty_host(chunk.sizes, saved.dtype)
-            self._read_box(item, chunk, chunk.offsets, chunk.sizes, buf, check=True)
-            buf = tensors.region(buf, [o - c for o, c in zip(item.offsets, chunk.offsets)],
-                                 item.sizes).contiguous()
-        elif tensors.is_direct_target(dest, saved.dtype):
-            self._read_box(item, chunk, item.offsets, item.sizes, dest,
-                           check=whole and self.verify != "none")
-            return dest
+            offsets, sizes, buf, direct, check = chunk.offsets, chunk.sizes, None, False, True
         else:
-            buf = tensors.empty_host(item.sizes, saved.dtype)
-            self._read_box(item, chunk, item.offsets, item.sizes, buf,
-                           check=whole and self.verify != "none")
-        tensors.copy_into(dest, buf)
-        return buf
-
-    def _read_box(self, item: ReadItem, chunk, offsets, sizes, buf, check: bool) -> None:
-        """Read the box ``(offsets, sizes)`` of ``chunk`` into the contiguous
-        host tensor ``buf``, then verify the chunk's CRC-32C if ``check``."""
+            offsets, sizes, check = item.offsets, item.sizes, whole and self.verify != "none"
+            direct = tensors.is_direct_target(dest, saved.dtype)
+            buf = dest if direct else None
+        if buf is None:
+            buf = tensors.empty_host(sizes, saved.dtype)
         view = tensors.byte_view(buf)
         rel = [o - c for o, c in zip(offsets, chunk.offsets)]
-        itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[item.fqn].dtype]
         ranges, pos = [], 0
-        for start, length in byte_runs(chunk.sizes, rel, sizes, itemsize):
+        for start, length in byte_runs(chunk.sizes, rel, sizes, DTYPE_ITEMSIZE[saved.dtype]):
             ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
             pos += length
+        with self.lock:
+            self.bytes_read += pos
+        return _Read(item, chunk, dest, buf, view, ranges, check, direct)
+
+    def _fetch(self, fqn: str, chunk, ranges) -> None:
         try:
             self.storage.read_ranges(chunk.file, ranges)
         except Exception as e:
             raise CorruptCheckpointError(
-                f"{item.fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                 f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
-        with self.lock:
-            self.bytes_read += pos
-        if check and chunk.checksum is not None and checksum(view) != chunk.checksum:
+
+    def _finish(self, read: "_Read"):
+        """Verify the CRC-32C if due, then copy into the target; returns the
+        host tensor holding the region."""
+        chunk = read.chunk
+        if read.check and chunk.checksum is not None and checksum(read.view) != chunk.checksum:
             raise CorruptCheckpointError(
-                f"{item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
+                f"{read.item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                 f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                 f"{chunk.file!r}): the checkpoint is corrupted")
+        if read.direct:
+            return read.dest
+        buf = read.buf
+        if read.buf.shape != read.dest.shape:  # a whole chunk read for verify="all"
+            buf = tensors.region(buf, [o - c for o, c in zip(read.item.offsets, chunk.offsets)],
+                                 read.item.sizes).contiguous()
+        tensors.copy_into(read.dest, buf)
+        return buf
 
     def _load_objects(self) -> None:
         for fqn in self.objects:
