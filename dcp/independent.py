@@ -78,8 +78,8 @@ class IndependentSave(_Save):
                 f"{self.storage.checkpoint_id!r} already holds {self.metadata_file!r} of a "
                 f"committed checkpoint; pass overwrite=True to replace it")
 
-    def _is_stale(self, name: str, keep: set[str]) -> bool:
-        return name.startswith(data_file_prefix(self.coord.rank)) and super()._is_stale(name, keep)
+    def _owns(self, name: str) -> bool:
+        return name.startswith(data_file_prefix(self.coord.rank))
 
 
 def read_metadata_bytes(storage: StoragePlugin) -> bytes:

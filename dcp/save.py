@@ -115,6 +115,39 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     return md
 
 
+def commit_metadata(storage: StoragePlugin, name: str, md: Metadata, overwrite: bool) -> None:
+    """Publish ``md`` as ``name`` atomically, last; raises
+    :class:`CheckpointError` if another save committed there first."""
+    try:
+        storage.commit_file(name, encode(md), overwrite=overwrite)
+    except FileExistsError as e:
+        raise CheckpointError(
+            f"{storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
+
+
+def delete_stale(storage: StoragePlugin, keep: set[str], owned: Callable[[str], bool]) -> None:
+    """After a commit that replaced a checkpoint: delete the data files not in
+    ``keep`` for which ``owned(name)`` holds.  The new checkpoint is already
+    committed, so a failure here only leaves garbage: warn."""
+    try:
+        storage.delete(n for n in storage.list_files()
+                       if n.endswith(DATA_SUFFIX) and n not in keep and owned(n))
+    except OSError as e:
+        warnings.warn(f"{storage.checkpoint_id!r}: could not delete the replaced "
+                      f"checkpoint's data files: {e}", stacklevel=2)
+
+
+def place_pickled(name: str, blobs: dict[str, bytes], md: Metadata) -> list[bytes]:
+    """Record in ``md.objects`` that the pickled values ``blobs`` (fqn ->
+    bytes) lie one after the other in the data file ``name``; returns the
+    buffers to write there."""
+    offset = 0
+    for fqn, blob in blobs.items():
+        md.objects[fqn] = ObjectMeta(pickled=BlobRef(name, offset, len(blob), checksum(blob)))
+        offset += len(blob)
+    return list(blobs.values())
+
+
 def encode_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[str | None, bytes | None]:
     """A non-tensor value as JSON text, or pickled bytes if the caller opted
     in; raises :class:`CheckpointError` naming ``fqn`` otherwise."""
@@ -284,28 +317,15 @@ class _Save:
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
         md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
-        try:
-            self.storage.commit_file(self.metadata_file, encode(md), overwrite=self.overwrite)
-        except FileExistsError as e:
-            raise CheckpointError(
-                f"{self.storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
+        commit_metadata(self.storage, self.metadata_file, md, self.overwrite)
         if self.overwrite:
-            self._delete_stale(md.files())
+            delete_stale(self.storage, md.files(), self._owns)
         return md
 
-    def _is_stale(self, name: str, keep: set[str]) -> bool:
-        """Whether ``name`` is a data file of a replaced checkpoint that this
-        rank's commit removes."""
-        return name.endswith(DATA_SUFFIX) and name not in keep
-
-    def _delete_stale(self, keep: set[str]) -> None:
-        """Remove the replaced checkpoint's data files.  The new checkpoint is
-        already committed, so a failure here only leaves garbage: warn."""
-        try:
-            self.storage.delete(n for n in self.storage.list_files() if self._is_stale(n, keep))
-        except OSError as e:
-            warnings.warn(f"{self.storage.checkpoint_id!r}: could not delete the replaced "
-                          f"checkpoint's data files: {e}", stacklevel=2)
+    def _owns(self, name: str) -> bool:
+        """Whether this commit removes ``name`` when it is a replaced
+        checkpoint's data file (all of them, for a coordinated save)."""
+        return True
 
     def _merge_objects(self, md: Metadata, results: list[WriteResult], save_id: str) -> None:
         texts: dict[str, tuple[int, str]] = {}
@@ -325,11 +345,7 @@ class _Save:
         if blobs:
             name = f"{data_file_prefix(self.coord.rank)}objects.{save_id}{DATA_SUFFIX}"
             self.written.append(name)
-            offset = 0
-            for fqn, blob in blobs.items():
-                md.objects[fqn] = ObjectMeta(pickled=BlobRef(name, offset, len(blob), checksum(blob)))
-                offset += len(blob)
-            self.storage.write_file(name, list(blobs.values()))
+            self.storage.write_file(name, place_pickled(name, blobs, md))
 
     def persist(self, save_id: str, plan: SavePlan) -> Metadata:
         """Phases 2 and 3: write ``plan``, then commit on the coordinator.

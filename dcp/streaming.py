@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import pickle
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -37,8 +36,9 @@ from dcp import tensors
 from dcp.boxes import byte_runs, volume
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, BlobRef, ChunkMeta, Metadata,
-                          ObjectMeta, TensorMeta, checksum, encode)
-from dcp.save import DATA_SUFFIX, encode_object
+                          ObjectMeta, TensorMeta, checksum)
+from dcp.save import (DATA_SUFFIX, commit_metadata, delete_stale, encode_object,
+                      place_pickled)
 from dcp.storage import StoragePlugin, open_storage
 
 #: Default bytes of tensor data a :class:`CheckpointWriter` gathers into one
@@ -279,27 +279,15 @@ class CheckpointWriter:
             self._flush()
         if self._pickled:
             name = f"objects.{self.metadata.save_id}{DATA_SUFFIX}"
-            offset = 0
-            for fqn, blob in self._pickled.items():
-                self.metadata.objects[fqn] = ObjectMeta(
-                    pickled=BlobRef(name, offset, len(blob), checksum(blob)))
-                offset += len(blob)
-            self._write(name, list(self._pickled.values()))
+            self._write(name, place_pickled(name, self._pickled, self.metadata))
         try:
-            self.storage.commit_file(METADATA_FILE, encode(self.metadata), overwrite=self.overwrite)
-        except FileExistsError as e:
-            raise CheckpointError(
-                f"{self.storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
+            commit_metadata(self.storage, METADATA_FILE, self.metadata, self.overwrite)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(
                 f"committing {METADATA_FILE!r} of {self.storage.checkpoint_id!r} failed: {e}") from e
         self._committed = True
         if self.overwrite:
-            keep = self.metadata.files()
-            try:
-                self.storage.delete(n for n in self.storage.list_files()
-                                    if n.endswith(DATA_SUFFIX) and n not in keep)
-            except OSError as e:
-                warnings.warn(f"{self.storage.checkpoint_id!r}: could not delete the replaced "
-                              f"checkpoint's data files: {e}", stacklevel=2)
+            delete_stale(self.storage, self.metadata.files(), lambda name: True)
         return self.metadata
