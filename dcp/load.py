@@ -9,8 +9,10 @@ Phases (each a collective step, so a failure on any rank raises on all):
 3. every rank reads, in parallel over files, only the byte runs of its
    intersections — straight into the target tensor when its memory layout
    allows, else into a host buffer that is then copied (and cast, if
-   allowed) into the target — and broadcasts what it read for others
-   (:mod:`dcp.broadcast`) while it reads on.
+   allowed) into the target — and passes what it read to the others while
+   it reads on: through host shared memory to ranks of its own host
+   (:mod:`dcp.host_exchange`), by ``torch.distributed`` broadcast to the
+   rest (:mod:`dcp.broadcast`).
 
 CRC-32C checksums are verified as ``verify`` says: ``"chunks"`` (default)
 checks every read that covers a whole chunk — a read of part of a chunk
@@ -22,8 +24,10 @@ nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import threading
+import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,9 +37,11 @@ from dcp.boxes import byte_runs
 from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination import Coordinator
 from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.host_exchange import HostExchange, host_key
 from dcp.independent import read_metadata_bytes
 from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
-from dcp.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, default_planner
+from dcp.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
+                         default_planner)
 from dcp.state_dict import flatten
 from dcp.storage import StoragePlugin, open_storage
 
@@ -109,6 +115,7 @@ class _Load:
         self.requests: list[ReadRequest] = []
         self.objects: list[str] = []
         self.metadata: Metadata | None = None
+        self.exchange: HostExchange | None = None
 
     def local_plan(self) -> LoadPlan:
         self.leaves = flatten(self.state_dict, tensors.is_tensor)
@@ -120,9 +127,14 @@ class _Load:
                                                  chunk.global_shape, chunk.dtype))
             else:
                 self.objects.append(fqn)
-        return self.planner.create_local_plan(
+        plan = self.planner.create_local_plan(
             self.metadata, self.requests, self.objects, strict=self.strict,
             allow_dtype_cast=self.allow_dtype_cast)
+        # shared memory only where gloo would carry the bytes through host
+        # memory anyway; NCCL/HCCL keep accelerator targets on the device
+        if self.exchange is not None and comm_device(self.coord.group).type == "cpu":
+            plan.host = host_key()
+        return plan
 
     def read(self, plan: LoadPlan) -> int:
         """Read this rank's items and run its transfers; returns bytes read."""
@@ -147,10 +159,23 @@ class _Load:
         only after every transfer ran, so no member is left waiting."""
         failures: list[Exception] = []
         device = comm_device(self.coord.group)
+        me = self.coord.rank
+        published = [t for t in plan.transfers if t.shared_memory and t.src == me]
+        publisher = threading.Thread(target=self._publish, args=(published, reads, failures),
+                                     name="dcp-host-exchange")
+        publisher.start()
         with ReplicaGroups(plan.groups, self.coord.group, self.coord.world_size) as groups:
             sender = Broadcaster(groups, self.max_inflight_bytes)
             for transfer in plan.transfers:
-                if transfer.src == self.coord.rank:
+                if transfer.shared_memory:
+                    if transfer.src != me:
+                        try:
+                            self.exchange.receive(
+                                _key(transfer), transfer.src,
+                                lambda view, t=transfer: self._unpack_view(t, view))
+                        except Exception as e:  # raised after all transfers ran
+                            failures.append(e)
+                elif transfer.src == me:
                     try:
                         buffer = tensors.flat_bytes([reads[i].result() for i in transfer.items], device)
                     except Exception as e:  # raised after all transfers ran
@@ -162,8 +187,42 @@ class _Load:
                     sender.start(transfer.ranks, transfer.src, buffer,
                                  lambda t=transfer, b=buffer: self._unpack(t, b, failures))
             sender.finish()
+        publisher.join()
         if failures:
             raise failures[0]
+
+    def _publish(self, transfers: list[Transfer], reads: dict,
+                 failures: list[Exception]) -> None:
+        """Publish, in transfer order, what this rank read for same-host
+        members (runs on its own thread, so receiving never waits on it)."""
+        for transfer in transfers:
+            key = _key(transfer)
+            try:
+                parts = [reads[i].result() for i in transfer.items]
+                self.exchange.publish(key, [tensors.byte_view(p) for p in parts],
+                                      tuple(r for r in transfer.ranks if r != transfer.src))
+            except Exception as e:  # raised after all transfers ran
+                failures.append(e)
+                self.exchange.fail(key, f"reading rank {transfer.src} failed: {e}")
+        try:
+            self.exchange.close()
+        except Exception as e:  # raised after all transfers ran
+            failures.append(e)
+
+    def _unpack_view(self, transfer: Transfer, view: memoryview) -> None:
+        """Copy the regions of a transfer from shared memory straight into
+        their targets (through a host buffer where the target's layout or
+        dtype needs it)."""
+        pos = 0
+        for item in transfer.items:
+            dtype = self.metadata.tensors[item.fqn].dtype
+            dest = self._target_region(item)
+            direct = tensors.is_direct_target(dest, dtype)
+            buf = dest if direct else tensors.empty_host(item.sizes, dtype)
+            tensors.byte_view(buf)[:] = view[pos:pos + item.nbytes]
+            if not direct:
+                tensors.copy_into(dest, buf)
+            pos += item.nbytes
 
     def _unpack(self, transfer, buffer, failures: list[Exception]) -> None:
         """Copy the regions of a received broadcast into their targets."""
@@ -280,13 +339,27 @@ class _Load:
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
-        data = self.coord.broadcast("load: reading metadata",
-                                    lambda: read_metadata_bytes(self.storage))
+        data, session = self.coord.broadcast(
+            "load: reading metadata", lambda: (read_metadata_bytes(self.storage), uuid.uuid4().hex))
         self.metadata = decode(data, f"{checkpoint_id}/{METADATA_FILE}")
+        if self.coord.world_size > 1:
+            self.exchange = HostExchange(session, self.coord.rank, self.max_inflight_bytes)
         plan = self.coord.gather_scatter("load planning", self.local_plan,
                                          self.planner.create_global_plan)
-        bytes_read = self.coord.run_all("load reading", lambda: self.read(plan))
+        try:
+            bytes_read = self.coord.run_all("load reading", lambda: self.read(plan))
+        finally:
+            if self.exchange is not None:  # every rank is past its transfers
+                self.exchange.remove_errors()
         return LoadReport(plan.missing_keys, plan.unexpected_keys, bytes_read)
+
+
+def _key(transfer: Transfer) -> str:
+    """A name for ``transfer`` that all its members derive alike: its first
+    region is read by one rank into one transfer only."""
+    item = transfer.items[0]
+    ident = repr((transfer.src, item.fqn, item.chunk, item.offsets, item.sizes))
+    return hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
 
 
 def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
@@ -316,8 +389,9 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             per replica group and broadcasts it
             (``planners.load.DefaultLoadPlanner(broadcast=False)`` turns
             that off).
-        max_inflight_bytes: bound on the broadcast buffers outstanding at
-            once on this rank, in bytes (default 256 MiB).
+        max_inflight_bytes: bound on the bytes this rank has in flight to
+            other ranks at once: broadcast buffers outstanding, and regions
+            published in shared memory not yet taken (default 256 MiB).
         verify: which reads are checked against the chunks' CRC-32C:
             ``"chunks"`` every read of a whole chunk (a resharded read of
             part of a chunk is not: that would need the rest of the chunk);

@@ -99,12 +99,15 @@ class Transfer:
     Rank ``src`` of the replica group ``ranks`` (ranks of the load's process
     group) reads the regions and sends them to the other members.  ``items``
     are this rank's own :class:`ReadItem` for them; every member lists the
-    same regions in the same order.
+    same regions in the same order.  ``shared_memory``: the members share a
+    host and pass the bytes through shared memory (:mod:`dcp.host_exchange`)
+    instead of a ``torch.distributed`` broadcast.
     """
 
     ranks: tuple[int, ...]
     src: int
     items: tuple[ReadItem, ...]
+    shared_memory: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -117,8 +120,11 @@ class LoadPlan:
 
     ``items`` are read from storage by this rank (those of transfers it is
     the source of included); ``transfers`` are the broadcasts it takes part
-    in, in the order every member runs them; ``groups`` lists every replica
-    group of the load, which all ranks create in this order.
+    in, in the order every member runs them; ``groups`` lists the replica
+    groups of the load's broadcasts, which all ranks create in this order.
+    ``host`` (set by the loader on local plans) names the rank's
+    shared-memory domain: ranks with the same non-empty ``host`` can pass
+    bytes through host shared memory.
     """
 
     items: list[ReadItem] = field(default_factory=list)
@@ -126,6 +132,7 @@ class LoadPlan:
     unexpected_keys: list[str] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     groups: list[tuple[int, ...]] = field(default_factory=list)
+    host: str = ""
 
 
 class LoadPlanner(abc.ABC):

@@ -13,7 +13,11 @@ storage by one of them and broadcast to the rest, turning R reads into one.
 The reader is chosen to balance bytes read per rank: regions only one rank
 needs count first, then shared regions, largest first, go to the member with
 the fewest bytes so far (ties to the lowest rank).  Regions with the same
-group and reader are batched into broadcasts of about ``batch_bytes``.
+group and reader are batched into transfers of about ``batch_bytes``.  A
+transfer whose members all share a host (the same non-empty
+``LoadPlan.host``) goes through host shared memory
+(:mod:`dcp.host_exchange`: one copy per receiver, no socket); the others
+are ``torch.distributed`` broadcasts (gloo, NCCL, HCCL).
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ class DefaultLoadPlanner(LoadPlanner):
     ``broadcast=False`` makes every rank read all it needs itself (for
     storage where reads are cheaper than the network).  ``batch_bytes``
     (default 16 MiB) is the size up to which small regions are packed into
-    one broadcast.
+    one transfer.  ``shared_memory=False`` sends every transfer by
+    ``torch.distributed`` broadcast, even between ranks of one host.
     """
 
-    def __init__(self, broadcast: bool = True, batch_bytes: int = 16 << 20) -> None:
+    def __init__(self, broadcast: bool = True, batch_bytes: int = 16 << 20,
+                 shared_memory: bool = True) -> None:
         self.broadcast = broadcast
         self.batch_bytes = batch_bytes
+        self.shared_memory = shared_memory
 
     def create_local_plan(self, metadata: Metadata, requests: list[ReadRequest],
                           objects: list[str], *, strict: bool,
@@ -110,11 +117,15 @@ class DefaultLoadPlanner(LoadPlanner):
         # reader's first broadcast comes early in the order all ranks follow
         streams = [[(ranks, src, batch) for batch in self._batches(keys, needers)]
                    for (ranks, src), keys in sorted(by_group.items())]
+        hosts = [p.host for p in plans]
+        same_host = {ranks: self.shared_memory and bool(hosts[ranks[0]])
+                     and all(hosts[r] == hosts[ranks[0]] for r in ranks)
+                     for ranks, _ in by_group}
         for ranks, src, batch in (b for wave in zip_longest(*streams) for b in wave if b):
             for rank in ranks:
                 items = tuple(item for k in batch for r, item in needers[k] if r == rank)
-                final[rank].transfers.append(Transfer(ranks, src, items))
-        groups = sorted({ranks for ranks, _ in by_group})
+                final[rank].transfers.append(Transfer(ranks, src, items, same_host[ranks]))
+        groups = sorted(ranks for ranks, shm in same_host.items() if not shm)
         for plan in final:
             plan.groups = groups
         return final

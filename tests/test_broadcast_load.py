@@ -1,10 +1,15 @@
-"""Read once per replica group, broadcast to the rest (4 gloo ranks).
+"""Read once per replica group, pass to the rest (4 gloo ranks).
 
+All ranks share this host, so the default planner passes regions through
+host shared memory; ``DefaultLoadPlanner(shared_memory=False)`` forces
+``torch.distributed`` broadcasts, and both transports run in every scenario.
 Each scenario checks values element-exact and the bytes each rank read from
 storage (``LoadReport.bytes_read``), summed over ranks with an all-gather.
 """
 
 from __future__ import annotations
+
+import glob
 
 import pytest
 import torch
@@ -14,9 +19,17 @@ from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp
+from dcp.planner import LoadPlan, ReadItem
 from dist_harness import dist_scenario
 from planners.load import DefaultLoadPlanner
 from storage_plugins.posix import PosixStorage
+
+TRANSPORTS = [DefaultLoadPlanner(), DefaultLoadPlanner(shared_memory=False)]
+
+
+def _exchange_files():
+    """Files of the shared-memory fan-out left in /dev/shm (none may stay)."""
+    return glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*")
 
 
 def _gather(value):
@@ -36,14 +49,18 @@ def test_replicated_state_is_read_once_and_balanced(ctx):
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(full, ckpt)
     groups_before = len(_world.pg_map)
-    target = {k: torch.zeros_like(v) for k, v in full.items()}
-    report = dcp.load(target, ckpt, max_inflight_bytes=256 << 10)
-    for k, v in full.items():
-        assert torch.equal(target[k], v), k
-    assert len(_world.pg_map) == groups_before, "groups created for the load were not destroyed"
-    read = _gather(report.bytes_read)
-    assert abs(sum(read) - md.stored_bytes) <= 0.01 * md.stored_bytes, (read, md.stored_bytes)
-    assert all(r == md.stored_bytes // 4 for r in read), read  # 16 equal tensors: 4 each
+    for planner in TRANSPORTS:
+        target = {k: torch.zeros_like(v) for k, v in full.items()}
+        # 256 KiB in flight: every rank waits for its receivers over and over
+        report = dcp.load(target, ckpt, planner=planner, max_inflight_bytes=256 << 10)
+        for k, v in full.items():
+            assert torch.equal(target[k], v), (k, planner.shared_memory)
+        assert len(_world.pg_map) == groups_before, "groups created for the load were not destroyed"
+        read = _gather(report.bytes_read)
+        assert abs(sum(read) - md.stored_bytes) <= 0.01 * md.stored_bytes, (read, md.stored_bytes)
+        assert all(r == md.stored_bytes // 4 for r in read), read  # 16 equal tensors: 4 each
+        ctx.barrier()
+        assert _exchange_files() == []
 
     # broadcast off: every rank reads everything itself, same values
     target = {k: torch.zeros_like(v) for k, v in full.items()}
@@ -63,11 +80,13 @@ def test_dp2_tp2_reads_each_tp_shard_once(ctx):
     sd = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)
-    target = {k: distribute_tensor(torch.zeros_like(v), mesh, placements[k]) for k, v in full.items()}
-    report = dcp.load(target, ckpt)
-    for k, v in full.items():
-        assert torch.equal(target[k].full_tensor(), v), k
-    assert sum(_gather(report.bytes_read)) == md.stored_bytes
+    for planner in TRANSPORTS:
+        target = {k: distribute_tensor(torch.zeros_like(v), mesh, placements[k])
+                  for k, v in full.items()}
+        report = dcp.load(target, ckpt, planner=planner)
+        for k, v in full.items():
+            assert torch.equal(target[k].full_tensor(), v), (k, planner.shared_memory)
+        assert sum(_gather(report.bytes_read)) == md.stored_bytes
 
 
 @dist_scenario(world_size=4)
@@ -83,12 +102,13 @@ def test_broadcast_composes_with_resharding(ctx):
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for broadcast in (True, False):
+    for planner in [*TRANSPORTS, DefaultLoadPlanner(broadcast=False)]:
+        broadcast = planner.broadcast
         target = {"x": distribute_tensor(torch.zeros(40, 64), mesh2, [Replicate(), Shard(1)]),
                   "y": distribute_tensor(torch.zeros(6, 10, dtype=torch.float64), mesh2,
                                          [Replicate(), Shard(1)]),
                   "s": torch.tensor(0.0)}
-        report = dcp.load(target, ckpt, planner=DefaultLoadPlanner(broadcast=broadcast))
+        report = dcp.load(target, ckpt, planner=planner)
         for k in ("x", "y"):
             assert torch.equal(target[k].full_tensor(), full[k]), (k, broadcast)
         assert torch.equal(target["s"], full["s"])
@@ -116,9 +136,37 @@ def test_read_error_on_a_reading_rank_raises_on_all(ctx):
     ckpt = str(ctx.dir / "ckpt")
     dcp.save(full, ckpt)
     target = {k: torch.zeros_like(v) for k, v in full.items()}
-    with pytest.raises(dcp.CheckpointError, match=r"failed on rank 2.*injected EIO"):
-        dcp.load(target, ckpt, storage=_FailingReads(ckpt, fail_rank=2))
+    for planner in TRANSPORTS:
+        with pytest.raises(dcp.CheckpointError, match=r"failed on rank 2.*injected EIO"):
+            dcp.load(target, ckpt, storage=_FailingReads(ckpt, fail_rank=2), planner=planner)
+        ctx.barrier()
+        assert _exchange_files() == []
     # the group is still usable: a clean load works afterwards
     dcp.load(target, ckpt)
     for k, v in full.items():
         assert torch.equal(target[k], v), k
+
+
+def _plan(host, items):
+    return LoadPlan(items=list(items), host=host)
+
+
+def test_transport_follows_hosts():
+    """Same-host replica groups go through shared memory, groups spanning
+    hosts (or ranks without /dev/shm) through broadcasts, which alone need
+    process groups."""
+    a = ReadItem("w", 0, 0, (0,), (4,), 16)
+    b = ReadItem("w", 0, 1, (4,), (4,), 16)
+    planner = DefaultLoadPlanner()
+    # ranks 0,1 on host h1, ranks 2,3 on h2; chunk a needed by 0,1; b by all
+    final = planner.create_global_plan([_plan("h1", [a, b]), _plan("h1", [a, b]),
+                                        _plan("h2", [b]), _plan("h2", [b])])
+    kinds = {(t.ranks, t.shared_memory) for p in final for t in p.transfers}
+    assert kinds == {((0, 1), True), ((0, 1, 2, 3), False)}
+    assert all(p.groups == [(0, 1, 2, 3)] for p in final)
+    final = planner.create_global_plan([_plan("", [a]), _plan("", [a])])
+    assert [t.shared_memory for p in final for t in p.transfers] == [False, False]
+    final = DefaultLoadPlanner(shared_memory=False).create_global_plan(
+        [_plan("h1", [a]), _plan("h1", [a])])
+    assert [t.shared_memory for p in final for t in p.transfers] == [False, False]
+    assert final[0].groups == [(0, 1)]
