@@ -14,7 +14,10 @@
   overwriting, so of two committers exactly one wins; the other gets
   ``FileExistsError``.  (A retried create whose first answer was lost finds
   its own object; the stored bytes show the commit is its own.)
-* Reads: ranged GETs, ``max_concurrency`` per call, none above ``part_size``.
+* Reads: ranged GETs, ``max_concurrency`` in flight per call (a new one
+  starts as soon as one ends), none above ``part_size``; each response body
+  is streamed straight into its destination buffer, never joined into an
+  intermediate ``bytes`` first.
 * Listings and existence checks always ask S3 (no listings cache), so a rank
   sees the objects other ranks have just written.
 * Transient errors (5xx, throttling, connection resets and timeouts) are
@@ -39,6 +42,7 @@ from typing import Iterable, Sequence
 
 import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
 from fsspec.asyn import sync
+from s3fs.core import _error_wrapper  # s3fs's own retry-and-translate loop of its reads
 
 from storage_plugins.fsspec_store import MiB, FsspecStorage, named
 
@@ -111,6 +115,49 @@ class S3Storage(FsspecStorage):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        bucket, key, _ = self.fs.split_path(self.path(name))
+        try:
+            sync(self.fs.loop, self._get_pieces, name, bucket, key, list(self._pieces(ranges)))
+        except OSError as e:
+            raise named(e, self.url(name)) from e
+
+    async def _get_pieces(self, name: str, bucket: str, key: str,
+                          pieces: list[tuple[int, memoryview]]) -> None:
+        """GET every piece into its view, ``max_concurrency`` at a time; on a
+        failure cancel the others before raising."""
+        slots = asyncio.Semaphore(self.max_concurrency)
+
+        async def get(offset: int, view: memoryview) -> None:
+            async with slots:
+                await _error_wrapper(self._get_into, args=(name, bucket, key, offset, view),
+                                     retries=self.fs.retries)
+
+        tasks = [asyncio.ensure_future(get(offset, view)) for offset, view in pieces]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _get_into(self, name: str, bucket: str, key: str, offset: int,
+                        view: memoryview) -> None:
+        """One ranged GET, its body read into ``view`` as it arrives."""
+        out = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                     Range=f"bytes={offset}-{offset + len(view) - 1}")
+        body, pos = out["Body"], 0
+        try:
+            while pos < len(view):
+                n = await body.readinto(view[pos:])
+                if n == 0:
+                    raise EOFError(f"{self.url(name)} ends at byte {offset + pos}, before "
+                                   f"{len(view) - pos} more bytes it should hold")
+                pos += n
+        finally:
+            body.close()
 
     def delete(self, names: Iterable[str]) -> None:
         paths = [self.path(n) for n in names]
