@@ -103,18 +103,56 @@ def local_plans(layout: Layout) -> list[SavePlan]:
     return plans
 
 
-def _write_results(final: list[SavePlan]) -> list[WriteResult]:
+def _write_results(local: list[SavePlan], final: list[SavePlan]) -> list[WriteResult]:
     """What every rank would report after writing its final plan (one data
-    file per rank, zero checksums)."""
+    file per rank, zero checksums and fingerprints): its chunks, and the
+    fingerprints of the chunks it holds but did not write whole, as
+    ``dcp.save`` reports them."""
     results = []
-    for rank, plan in enumerate(final):
+    for rank, (offered, plan) in enumerate(zip(local, final)):
         name, offset, result = f"r{rank:05d}-0.0123456789abcdef.data", 0, WriteResult()
         for item in plan.items:
             result.chunks.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset,
                                                       item.nbytes, 0, rank)))
             offset += item.nbytes
+        whole = {(i.fqn, i.offsets, i.sizes) for i in plan.items}
+        result.replicas = {(i.fqn, i.offsets): 0 for i in offered.items
+                           if (i.fqn, i.offsets, i.sizes) not in whole}
         results.append(result)
     return results
+
+
+def best_write_max(plans: list[SavePlan]) -> int:
+    """A lower bound of the busiest writer's bytes that any plan can reach:
+    for every set R of ranks holding a replicated chunk, R's ranks must
+    write their single-holder chunks and every chunk held only within R, so
+    the fullest of them writes at least the water level that spreads those
+    bytes over R's ranks on top of what they must write anyway."""
+    holders: dict[tuple, list[int]] = {}
+    nbytes: dict[tuple, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            key = (item.fqn, item.offsets)
+            holders.setdefault(key, []).append(rank)
+            nbytes[key] = item.nbytes
+    pinned = [0] * len(plans)
+    shared: dict[frozenset, int] = {}
+    for key, ranks in holders.items():
+        if len(ranks) == 1:
+            pinned[ranks[0]] += nbytes[key]
+        else:
+            group = frozenset(ranks)
+            shared[group] = shared.get(group, 0) + nbytes[key]
+    best = max(pinned)
+    for group in shared:
+        extra = sum(b for g, b in shared.items() if g <= group)
+        loads = sorted(pinned[r] for r in group)
+        for n in range(len(loads), 0, -1):  # water level over the n least-loaded ranks
+            level = (sum(loads[:n]) + extra) / n
+            if level >= loads[n - 1]:
+                break
+        best = max(best, level)
+    return best
 
 
 def _requests(layout: Layout, rank: int) -> list[ReadRequest]:
@@ -141,8 +179,9 @@ def measure(ranks: int) -> dict:
     row["global_plan_s"] = time.perf_counter() - t
     written = [sum(i.nbytes for i in p.items) for p in final]
     row["write_max_over_mean"] = _ratio(written)
+    row["write_best_max_over_mean"] = best_write_max(plans) / (sum(written) / len(written))
 
-    results = _write_results(final)
+    results = _write_results(plans, final)
     decls = {fqn: decl for p in plans for fqn, decl in p.tensors.items()}
     del plans
     t = time.perf_counter()

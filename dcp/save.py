@@ -25,15 +25,16 @@ import json
 import pickle
 import uuid
 import warnings
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dcp import pending, tensors, wire
 from dcp.coordination import Coordinator, CoordinatorBase
-from dcp.errors import CheckpointError
+from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
-                          TensorMeta, checksum, encode)
+                          TensorMeta, checksum, decode, encode)
 from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.state_dict import flatten
 from dcp.storage import StoragePlugin, open_storage
@@ -72,8 +73,9 @@ def fingerprint(buffer: memoryview) -> int:
 class WriteResult:
     """What a rank reports after writing: its chunks, the fingerprints of its
     written chunks larger than :data:`REPLICA_SAMPLE_BYTES` and of the
-    replicas it holds but did not write, and its non-tensor values (JSON text
-    or pickle)."""
+    replicas it holds but did not write whole (``replicas``: of the whole
+    held chunk, also when the rank wrote a piece of it), and its non-tensor
+    values (JSON text or pickle)."""
 
     chunks: list[tuple[str, ChunkMeta]] = field(default_factory=list)
     fingerprints: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
@@ -90,7 +92,11 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     """The tensors' metadata from every rank's write results (index = rank).
 
     Raises :class:`CheckpointError` naming the fqn and both ranks if a rank
-    holds a replica whose checksum differs from the written chunk's.
+    holds a replica whose fingerprint differs from the written chunk's.  A
+    chunk written in pieces by several holders (the planner split it; its
+    first piece has the chunk's offsets, and that piece's writer reports the
+    whole chunk among its replicas) is checked by comparing every holder's
+    fingerprint of its whole replica with the others'.
     """
     md = Metadata(save_id=save_id, world_size=world_size)
     for fqn, decl in decls.items():
@@ -102,13 +108,18 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
             md.tensors[fqn].chunks.append(chunk)
             written[(fqn, chunk.offsets)] = chunk
         prints.update(result.fingerprints)
+    first_holder: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
     for rank, result in enumerate(results):
-        for (fqn, offsets), value in result.replicas.items():
-            chunk = written[(fqn, offsets)]
-            if value != prints.get((fqn, offsets), chunk.checksum):
+        for key, value in result.replicas.items():
+            chunk = written[key]
+            if key in results[chunk.rank].replicas:  # written in pieces
+                expected, other = first_holder.setdefault(key, (value, rank))
+            else:
+                expected, other = prints.get(key, chunk.checksum), chunk.rank
+            if value != expected:
                 raise CheckpointError(
-                    f"{fqn!r}: ranks {chunk.rank} and {rank} hold different values for the "
-                    f"chunk at offsets {list(offsets)} (a replicated tensor must be equal on "
+                    f"{key[0]!r}: ranks {other} and {rank} hold different values for the "
+                    f"chunk at offsets {list(key[1])} (a replicated tensor must be equal on "
                     f"every rank; give per-rank values distinct keys)")
     for t in md.tensors.values():
         t.chunks.sort(key=lambda c: c.offsets)
@@ -239,14 +250,17 @@ class _Save:
         self.coord = coordinator
         self.overwrite = overwrite
         self.state = SaveState()
+        self.save_id: str | None = None
         self.written: list[str] = []
         self.decls: dict[str, TensorDecl] = {}
+        self._by_fqn: dict[str, list[tensors.LocalChunk]] | None = None  # built for pieces
 
     # -- phase 1: planning
     def offered(self) -> SavePlan:
         """Describe the state; every chunk this rank holds, before the
         planner's local step."""
         self.state = self.describe()
+        self._by_fqn = None
         plan = SavePlan()
         for (fqn, offsets), chunk in self.state.chunks.items():
             plan.tensors[fqn] = TensorDecl(chunk.global_shape, chunk.dtype)
@@ -273,8 +287,12 @@ class _Save:
 
     # -- phase 2: writing
     def write(self, save_id: str, plan: SavePlan) -> WriteResult:
+        self.save_id = save_id
         result = WriteResult(json_values=self.state.json_values, pickled=self.state.pickled)
-        mine = {(i.fqn, i.offsets) for i in plan.items}
+        chunks = self.state.chunks
+        mine = {(i.fqn, i.offsets) for i in plan.items
+                if chunks.get((i.fqn, i.offsets)) is not None
+                and chunks[(i.fqn, i.offsets)].sizes == i.sizes}  # written whole
         groups = _balance_files(plan.items, self.storage.thread_count)
         prefix = data_file_prefix(self.coord.rank)
         names = [f"{prefix}{k}.{save_id}{DATA_SUFFIX}" for k in range(len(groups))]
@@ -295,12 +313,30 @@ class _Save:
     def _hash(self, key) -> int:
         return fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
 
+    def _bytes(self, item: WriteItem) -> memoryview:
+        """The bytes of ``item``: a chunk this rank holds, or a box inside
+        one (a piece of a chunk the planner split; a slice along dimension 0
+        is a view, not a copy)."""
+        chunk = self.state.chunks.get((item.fqn, item.offsets))
+        if chunk is not None and chunk.sizes == item.sizes:
+            return tensors.byte_view(tensors.to_host(chunk.data))
+        if self._by_fqn is None:  # writer threads may build it twice, never see it half-built
+            by_fqn = defaultdict(list)
+            for (fqn, _), c in self.state.chunks.items():
+                by_fqn[fqn].append(c)
+            self._by_fqn = by_fqn
+        chunk = next(c for c in self._by_fqn[item.fqn]
+                     if all(o <= i and i + n <= o + s for o, s, i, n
+                            in zip(c.offsets, c.sizes, item.offsets, item.sizes)))
+        rel = [i - o for i, o in zip(item.offsets, chunk.offsets)]
+        return tensors.byte_view(tensors.to_host(tensors.region(chunk.data, rel, item.sizes)))
+
     def _write_file(self, name: str, group: list[WriteItem]):
         """Write one data file; returns its chunks' metadata and the
         fingerprints of those over :data:`REPLICA_SAMPLE_BYTES`."""
         buffers, out, prints, offset = [], [], {}, 0
         for item in group:
-            buf = tensors.byte_view(tensors.to_host(self.state.chunks[(item.fqn, item.offsets)].data))
+            buf = self._bytes(item)
             buffers.append(buf)
             out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset, len(buf),
                                             checksum(buf), self.coord.rank)))
@@ -308,9 +344,11 @@ class _Save:
                 prints[(item.fqn, item.offsets)] = fingerprint(buf)
             offset += len(buf)
         try:
-            self.storage.write_file(name, buffers)
+            self.storage.retrying(self.storage.write_file, name, buffers)
         except Exception as e:
-            raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed: {e}") from e
+            attempts = getattr(e, "attempts", 1)
+            tries = f" ({attempts} attempts)" if attempts > 1 else ""
+            raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed{tries}: {e}") from e
         return out, prints
 
     # -- phase 3: commit (coordinator)
@@ -345,7 +383,7 @@ class _Save:
         if blobs:
             name = f"{data_file_prefix(self.coord.rank)}objects.{save_id}{DATA_SUFFIX}"
             self.written.append(name)
-            self.storage.write_file(name, place_pickled(name, blobs, md))
+            self.storage.retrying(self.storage.write_file, name, place_pickled(name, blobs, md))
 
     def persist(self, save_id: str, plan: SavePlan) -> Metadata:
         """Phases 2 and 3: write ``plan``, then commit on the coordinator.
@@ -355,8 +393,26 @@ class _Save:
                 "save writing/commit", lambda: self.write(save_id, plan),
                 lambda results: self.commit(save_id, results))
         except Exception:  # a failure of any rank, or of the transport (a timeout)
-            self.storage.delete(self.written)
+            self.discard()
             raise
+
+    def discard(self) -> None:
+        """After a failure: delete the files this rank wrote, unless this
+        save's metadata is committed.  A failure can follow the commit (the
+        coordinator, or a rank waiting for its answer, loses a peer after the
+        metadata was published); the files are then the checkpoint's.  If
+        the metadata cannot be read, the files are kept: garbage is better
+        than a committed checkpoint without its data."""
+        if not self.written:
+            return
+        try:
+            committed = decode(self.storage.read_file(self.metadata_file)).save_id == self.save_id
+        except (FileNotFoundError, CorruptCheckpointError):
+            committed = False
+        except Exception:  # unknown: keep the files
+            committed = True
+        if not committed:
+            self.storage.delete(self.written)
 
     def run(self, save_id: str | None = None) -> Metadata:
         """The whole save, as ``save_id`` (by default the coordinator draws
