@@ -13,17 +13,22 @@ go which way (:attr:`dcp.planner.Transfer.shared_memory`).
 
 Protocol, per transfer (named by a key every member derives from the plan):
 
-* the reader writes ``<prefix><key>.tmp`` and renames it to
-  ``<prefix><key>`` (atomic: a receiver never sees a partial file), or
-  writes ``<prefix><key>.err`` holding the reason it could not read;
+* the reader writes the bytes into one of its *slot* files
+  ``<prefix>r<rank>.<slot>`` (reused from transfer to transfer: writing
+  over pages tmpfs already holds costs half as much as allocating new
+  ones), then publishes the flag file ``<prefix><key>`` naming the slot and
+  the length (written to a temporary name and renamed: atomic, so a
+  receiver never sees a partial flag), or ``<prefix><key>.err`` holding the
+  reason it could not read;
 * each receiver polls for either (sleeping with backoff, 50 µs to 2 ms),
-  reads, and creates the marker ``<prefix><key>.<rank>``;
-* the reader deletes the file and its markers once every receiver has
-  marked it.  A reader publishes in the order all ranks run their
-  transfers and holds at most ``max_inflight_bytes`` published but not yet
-  consumed (it waits for the oldest to be consumed first), so shared memory
-  stays bounded and no rank waits on a transfer that comes later in that
-  order: no deadlock.
+  maps the slot, copies into its target, and creates the marker
+  ``<prefix><key>.<rank>``;
+* the reader reuses a slot, and deletes the flag and its markers, once
+  every receiver has marked it.  A reader publishes in the order all ranks
+  run their transfers and keeps at most ``max_inflight_bytes`` published
+  but not yet consumed (it waits for the oldest to be consumed first), so
+  shared memory stays bounded and no rank waits on a transfer that comes
+  later in that order: no deadlock.
 
 Lifetime: files live only for the transfer; a process killed mid-load can
 leave ``/dev/shm/hyperdcp-*`` files behind (a reboot, or ``rm``, removes
@@ -89,9 +94,14 @@ class HostExchange:
         self.rank = rank
         self.limit = max_inflight_bytes
         self.timeout_s = timeout_s
-        self.pending: deque[tuple[str, int, tuple[int, ...]]] = deque()
+        self.pending: deque[tuple[str, int, tuple[int, ...], int]] = deque()
         self.inflight = 0
+        self.free_slots: list[int] = []
+        self.slots = 0
         self.errors: list[str] = []
+
+    def _slot_path(self, slot: int) -> str:
+        return f"{self.prefix}r{self.rank}.{slot}"
 
     def publish(self, key: str, views: list[memoryview], receivers: tuple[int, ...]) -> None:
         """Make the bytes of ``views`` (in order) available to ``receivers``
@@ -101,27 +111,37 @@ class HostExchange:
         nbytes = sum(v.nbytes for v in views)
         while self.pending and self.inflight + nbytes > self.limit:
             self._reap_oldest()
-        path = self.prefix + key
-        fd = os.open(path + ".tmp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot, self.slots = self.slots, self.slots + 1
+        fd = os.open(self._slot_path(slot), os.O_CREAT | os.O_RDWR, 0o600)
         try:
+            pos = 0
             for view in views:
                 while view.nbytes:
-                    view = view[os.write(fd, view[:_IO_MAX]):]
+                    n = os.pwrite(fd, view[:_IO_MAX], pos)
+                    view, pos = view[n:], pos + n
+            if os.fstat(fd).st_size > nbytes:  # free the pages of a longer earlier use
+                os.ftruncate(fd, nbytes)
         except BaseException:
-            os.close(fd)
-            os.unlink(path + ".tmp")
+            self.free_slots.append(slot)
             raise
-        os.close(fd)
-        os.rename(path + ".tmp", path)
-        self.pending.append((key, nbytes, receivers))
+        finally:
+            os.close(fd)
+        self._flag(self.prefix + key, f"{slot} {nbytes}")
+        self.pending.append((key, nbytes, receivers, slot))
         self.inflight += nbytes
 
     def fail(self, key: str, reason: str) -> None:
         """Tell the receivers of ``key`` that it will not come, and why."""
-        path = self.prefix + key + ".err"
-        Path(path + ".tmp").write_text(reason)
+        self._flag(self.prefix + key + ".err", reason)
+        self.errors.append(self.prefix + key + ".err")
+
+    @staticmethod
+    def _flag(path: str, text: str) -> None:
+        Path(path + ".tmp").write_text(text)
         os.rename(path + ".tmp", path)
-        self.errors.append(path)
 
     def receive(self, key: str, src: int, consume: Callable[[memoryview], None]) -> None:
         """Wait for ``key`` from reading rank ``src`` and run ``consume`` on
@@ -129,34 +149,41 @@ class HostExchange:
 
         Raises :class:`CheckpointError` if the reader failed (with its
         reason) or published nothing within the timeout."""
-        path = self.prefix + key
-        _poll(lambda: os.path.exists(path) or os.path.exists(path + ".err"), self.timeout_s,
-              f"rank {self.rank}: waiting for reading rank {src} in shared memory ({path})")
-        if not os.path.exists(path):
-            raise CheckpointError(Path(path + ".err").read_text())
+        flag = self.prefix + key
+        _poll(lambda: os.path.exists(flag) or os.path.exists(flag + ".err"), self.timeout_s,
+              f"rank {self.rank}: waiting for reading rank {src} in shared memory ({flag})")
         try:
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                              mmap.PROT_READ) as mapped, \
-                    memoryview(mapped) as view:
-                consume(view)
+            slot, nbytes = (int(v) for v in Path(flag).read_text().split())
+        except FileNotFoundError:
+            raise CheckpointError(Path(flag + ".err").read_text()) from None
+        try:
+            if nbytes:
+                with open(f"{self.prefix}r{src}.{slot}", "rb") as f, \
+                        mmap.mmap(f.fileno(), nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                  mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+                    consume(view)
         finally:
-            os.close(os.open(f"{path}.{self.rank}", os.O_CREAT | os.O_WRONLY, 0o600))
+            os.close(os.open(f"{flag}.{self.rank}", os.O_CREAT | os.O_WRONLY, 0o600))
 
     def _reap_oldest(self) -> None:
-        key, nbytes, receivers = self.pending.popleft()
-        path = self.prefix + key
-        markers = [f"{path}.{r}" for r in receivers]
+        key, nbytes, receivers, slot = self.pending.popleft()
+        flag = self.prefix + key
+        markers = [f"{flag}.{r}" for r in receivers]
         _poll(lambda: all(os.path.exists(m) for m in markers), self.timeout_s,
-              f"rank {self.rank}: waiting for ranks {list(receivers)} to take {path}")
-        for name in (path, *markers):
+              f"rank {self.rank}: waiting for ranks {list(receivers)} to take {flag}")
+        for name in (flag, *markers):
             os.unlink(name)
         self.inflight -= nbytes
+        self.free_slots.append(slot)
 
     def close(self) -> None:
         """Wait until every receiver took what this rank published, then
-        delete it."""
+        delete it and the slot files."""
         while self.pending:
             self._reap_oldest()
+        for slot in range(self.slots):
+            os.unlink(self._slot_path(slot))
+        self.slots, self.free_slots = 0, []
 
     def remove_errors(self) -> None:
         """Delete the failure notes this rank wrote; call once every rank is
@@ -167,4 +194,3 @@ class HostExchange:
             except FileNotFoundError:
                 pass
         self.errors.clear()
-
