@@ -1,6 +1,7 @@
 # Two entry points, both self-installing on a fresh machine (see README):
 #   make demo   - installs, then runs the main job (`hyperdcp demo`)
 #   make test   - installs, then runs the whole test suite
+#   make bench  - installs with the bench extra (matplotlib), then runs every benchmark
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
@@ -18,4 +19,5 @@ test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: install
+	$(PIP) -e '.[bench]'
 	$(PY) -m benchmarks

@@ -1,11 +1,16 @@
-"""``python -m benchmarks``: run the benchmarks, write JSON + Markdown, print the table.
+"""``python -m benchmarks``: run every benchmark, write JSON + Markdown + PNG, print the tables.
 
     python -m benchmarks [--scenario NAME ...] [--world-sizes 2 4] [--repeat 3] [--out DIR]
 
-``--list`` shows the scenarios. ``--quick`` uses tiny state dicts, to check
-that the harness works (its numbers mean nothing). Timings are only worth
-something on an otherwise idle machine: the CPU time that other processes took
-during the run is recorded, and a busy machine is flagged.
+Scenarios: the sync save/load family and the many-small-tensors family
+(hyperdcp and torch DCP measured in the same process groups, one row per
+system), and the families with tables of their own — ``async_save``,
+``storage``, ``convert``, ``scale``, ``coordination`` — each one scenario.
+``--list`` shows them all; each runs alone with ``--scenario NAME``.
+``--quick`` uses tiny inputs, to check that the harness works (its numbers
+mean nothing). Timings are only worth something on an otherwise idle
+machine: the CPU time that other processes took during the run is recorded,
+and a busy machine is flagged.
 """
 
 from __future__ import annotations
@@ -22,18 +27,58 @@ from pathlib import Path
 
 import torch
 
-from . import sync_save_load
+from . import async_save, convert, coordination, scale, small_tensors, storage, sync_save_load
+from .chart import write_chart
 from .common import ForeignCpu, RunConfig, probe_eviction
 from .report import summarize, write_results
 from .systems import BASELINE, SYSTEMS, check_available
 
 #: Scenario families: modules with SCENARIOS (name -> description),
 #: run(scenarios, config) -> samples and targets(rows) -> target results.
-FAMILIES = (sync_save_load,)
+FAMILIES = (sync_save_load, small_tensors)
+
+
+def _run_async(config: RunConfig, out: Path) -> list[dict]:
+    return async_save.run(out, world_sizes=config.world_sizes, repeat=config.repeat,
+                          quick=config.quick, scratch=config.scratch)
+
+
+def _run_storage(config: RunConfig, out: Path) -> list[dict]:
+    return storage.run(out, repeat=config.repeat, quick=config.quick, scratch=config.scratch)
+
+
+def _run_convert(config: RunConfig, out: Path) -> list[dict]:
+    return convert.run(out, size_gib=0.05 if config.quick else 1.2, repeat=config.repeat,
+                       scratch=config.scratch)
+
+
+def _run_scale(config: RunConfig, out: Path) -> list[dict]:
+    return scale.run(out, repeat=config.repeat, quick=config.quick)
+
+
+def _run_coordination(config: RunConfig, out: Path) -> list[dict]:
+    return coordination.run(out, repeat=config.repeat, quick=config.quick,
+                            scratch=config.scratch)
+
+
+#: Families with tables of their own, one scenario each: name ->
+#: (description, module with markdown(rows), runner(config, out_dir) -> rows).
+TABLES = {
+    "async_save": ("async save stall, total and training loop time lost, vs torch DCP's "
+                   "THREAD and PROCESS modes", async_save, _run_async),
+    "storage": ("S3 (moto) vs raw s3fs; memory://, shm://, POSIX", storage, _run_storage),
+    "convert": ("safetensors / torch DCP conversions vs cp", convert, _run_convert),
+    "scale": ("planning and metadata of a 505B-class model on 1k-16k simulated ranks",
+              scale, _run_scale),
+    "coordination": ("file-flag protocol with 64-512 simulated ranks; gloo with 2-8",
+                     coordination, _run_coordination),
+}
 
 
 def _scenarios() -> dict[str, object]:
-    return {name: family for family in FAMILIES for name in family.SCENARIOS}
+    found: dict[str, object] = {name: family for family in FAMILIES for name in family.SCENARIOS}
+    found.update({name: name for name in TABLES})
+    return found
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{family.FAMILY}:")
             for name, description in family.SCENARIOS.items():
                 print(f"  {name:<28} {description}")
+        print("families with their own tables:")
+        for name, (description, _, _) in TABLES.items():
+            print(f"  {name:<28} {description}")
         return 0
 
     problems = [p for p in map(check_available, args.systems) if p]
@@ -93,14 +141,20 @@ def main(argv: list[str] | None = None) -> int:
             eviction=eviction,
             quick=args.quick,
         )
-        samples, targets = [], []
+        samples, targets, tables = [], [], {}
         for family in FAMILIES:
             names = [n for n in selected if scenarios[n] is family]
             if names:
                 samples += family.run(names, config)
+        for name, (_, _, runner) in TABLES.items():
+            if name in selected:
+                print(f"[{name}]", file=sys.stderr)
+                tables[name] = runner(config, args.out / name)
         rows = summarize(samples)
         for family in FAMILIES:
             targets += family.targets(rows)
+        if tables.get("scale"):
+            targets += scale.targets(tables["scale"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     foreign = foreign_cpu.fraction()
@@ -117,15 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         "foreign_cpu_fraction": round(foreign, 3),
         "quick": args.quick,
     }
+    sections = {name: TABLES[name][1].markdown(table) for name, table in tables.items() if table}
     json_path, md_path, markdown = write_results(
         args.out, environment, samples, rows, targets, _notes(eviction, args.repeat, foreign),
-        timings_reliable=foreign <= BUSY,
+        timings_reliable=foreign <= BUSY, tables=tables, sections=sections,
     )
+    chart = write_chart(args.out / "results.png", rows, tables)
     print(markdown)
     if foreign > BUSY:
         print(f"\nwarning: other processes used {foreign:.0%} of the CPUs: timings unreliable",
               file=sys.stderr)
-    print(f"\nwrote {json_path} and {md_path}", file=sys.stderr)
+    print(f"\nwrote {json_path}, {md_path}" + (f" and {chart}" if chart else ""), file=sys.stderr)
     return 0
 
 

@@ -219,9 +219,12 @@ def write_results(
     targets: list[TargetResult],
     notes: list[str],
     timings_reliable: bool,
+    tables: dict[str, list[dict]] | None = None,
+    sections: dict[str, str] | None = None,
 ) -> tuple[Path, Path, str]:
     """Write ``results.json`` and ``results.md`` into ``out_dir``; return their
-    paths and the Markdown text."""
+    paths and the Markdown text.  ``tables``: the rows of the families with
+    tables of their own (JSON), ``sections`` their Markdown tables."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "results.json"
     md_path = out_dir / "results.md"
@@ -232,6 +235,7 @@ def write_results(
                 "summary": [asdict(r) for r in rows],
                 "targets": [asdict(t) for t in targets],
                 "samples": [asdict(s) for s in samples],
+                "tables": tables or {},
             },
             indent=2,
         )
@@ -240,7 +244,8 @@ def write_results(
     md = "\n\n".join(
         [
             "# hyperdcp benchmarks",
-            markdown_table(rows),
+            markdown_table(rows) if rows else "(no save/load scenario run)",
+            *(f"## {name}\n\n{text}" for name, text in (sections or {}).items()),
             "## Targets\n\n" + (markdown_targets(targets, timings_reliable) or "(none)"),
             "## Notes\n\n" + "\n".join(f"- {n}" for n in notes),
         ]

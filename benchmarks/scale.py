@@ -12,22 +12,27 @@ local plans of every rank go through the real code paths of a save —
 pipeline stage (broadcast readers).  No process or tensor is created: only the planning
 and metadata costs, which grow with ranks and chunks, are measured.
 
-    python -m benchmarks.scale [--ranks 1024 4096 10240 16384]
+    python -m benchmarks.scale [--ranks 1024 4096 10240 16384] [--repeat 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dcp.metadata import ChunkMeta, decode, encode
 from dcp.planner import ReadRequest, SavePlan, TensorDecl, WriteItem
 from dcp.save import WriteResult, build_metadata
 from planners.load import DefaultLoadPlanner
 from planners.save import DefaultSavePlanner
+
+from .report import TargetResult
 
 HIDDEN, LAYERS, VOCAB = 20480, 96, 128000
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
@@ -103,7 +108,7 @@ def local_plans(layout: Layout) -> list[SavePlan]:
     return plans
 
 
-def _write_results(local: list[SavePlan], final: list[SavePlan]) -> list[WriteResult]:
+def simulated_write_results(local: list[SavePlan], final: list[SavePlan]) -> list[WriteResult]:
     """What every rank would report after writing its final plan (one data
     file per rank, zero checksums and fingerprints): its chunks, and the
     fingerprints of the chunks it holds but did not write whole, as
@@ -181,7 +186,7 @@ def measure(ranks: int) -> dict:
     row["write_max_over_mean"] = _ratio(written)
     row["write_best_max_over_mean"] = best_write_max(plans) / (sum(written) / len(written))
 
-    results = _write_results(plans, final)
+    results = simulated_write_results(plans, final)
     decls = {fqn: decl for p in plans for fqn, decl in p.tensors.items()}
     del plans
     t = time.perf_counter()
@@ -216,12 +221,74 @@ def measure(ranks: int) -> dict:
     return row
 
 
+def run(out_dir, *, ranks=(1024, 4096, 10240, 16384), repeat: int = 3,
+        quick: bool = False) -> list[dict]:
+    """Measure each rank count ``repeat`` times; one row per rank count with
+    the medians of the seconds (``*_s``) and their ranges (``*_s_range``);
+    sizes and balance ratios do not vary.  Written to ``out_dir/scale.json``."""
+    if quick:
+        ranks, repeat = (1024,), 1
+    rows = []
+    for n in ranks:
+        runs = [measure(n) for _ in range(repeat)]
+        row = dict(runs[0])
+        for key in list(row):
+            if key.endswith("_s"):
+                values = [r[key] for r in runs]
+                row[key] = statistics.median(values)
+                row[f"{key}_range"] = [min(values), max(values)]
+        row["repeat"] = repeat
+        rows.append(row)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table (seconds: median (min–max))."""
+    def s(r, key, spec=".2f"):
+        lo, hi = r.get(f"{key}_range", (r[key], r[key]))
+        return f"{r[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
+
+    lines = ["| ranks | local plan items | chunks | global save plan s | write max/mean "
+             "(layout's best) | metadata MB | build+encode s | decode s | one rank's load plan "
+             "(TP4, DP×2) s | read max/mean (one stage) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks']:,} | {r['local_plan_items']:,} | {r['chunks']:,} | "
+            f"{s(r, 'global_plan_s')} | {r['write_max_over_mean']:.3f} "
+            f"({r['write_best_max_over_mean']:.3f}) | {r['metadata_mb']:.2f} | "
+            f"{s(r, 'metadata_build_encode_s')} | {s(r, 'metadata_decode_s', '.3f')} | "
+            f"{s(r, 'load_local_plan_s', '.3f')} | {r['read_max_over_mean']:.3f} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[TargetResult]:
+    """The issue's limits, at the largest rank count measured."""
+    if not rows:
+        return []
+    r = max(rows, key=lambda row: row["ranks"])
+    n = f"{r['ranks']:,} ranks"
+    return [
+        TargetResult(f"scale {n}: global save planning s", r["global_plan_s"], 10, timing=True),
+        TargetResult(f"scale {n}: metadata MB", r["metadata_mb"], 100, timing=False),
+        TargetResult(f"scale {n}: metadata decode s", r["metadata_decode_s"], 2, timing=True),
+        TargetResult(f"scale {n}: one rank's load planning s", r["load_local_plan_s"], 0.5,
+                     timing=True),
+        TargetResult(f"scale {n}: write max/mean over the layout's best",
+                     r["write_max_over_mean"] / r["write_best_max_over_mean"], 1.05, timing=False),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1024, 4096, 10240, 16384])
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
-    for ranks in args.ranks:
-        print(measure(ranks), flush=True)
+    print(markdown(run(args.out, ranks=args.ranks, repeat=args.repeat)))
 
 
 if __name__ == "__main__":

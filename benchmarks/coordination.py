@@ -1,0 +1,290 @@
+"""Coordination at scale: the two coordination steps of a save with many ranks.
+
+* ``file``: the file-flag protocol (:class:`dcp.file_coordination.FileCoordinator`)
+  over the POSIX plugin (default options: fsync on), real exchange files in
+  one checkpoint directory, 64 to 512 simulated ranks played in turn in one
+  process (see :func:`measure_file`: one thread per rank would measure the
+  GIL, not the protocol);
+* ``gloo``: :class:`dcp.coordination.Coordinator` over a gloo process group
+  of spawned processes running in parallel (small world sizes: one process
+  per rank on this machine).
+
+Both drive the steps of :meth:`dcp.save._Save.run` with the payloads of
+the 505B-class layout of :mod:`benchmarks.scale` (TP x PP x DP): step 1
+(*plans*) gathers every rank's local save plan and answers each rank with
+its final plan from ``DefaultSavePlanner.create_global_plan``; step 2
+(*results*) gathers the write results and answers everyone with the
+metadata from ``dcp.save.build_metadata`` (one shared answer).  Per step:
+the critical path (slowest rank from its start to its answer), the
+coordinator's part and its compute (planning, metadata).  For ``file``, the
+exchange files read whole per step show that the coordinator reads N and
+every other rank one.
+
+    python -m benchmarks.coordination [--ranks 64 128 256 512] [--gloo 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from dcp import wire
+from dcp.coordination import Coordinator, CoordinatorBase, PerRank
+from dcp.file_coordination import FileCoordinator
+from dcp.planner import SavePlan
+from dcp.save import WriteResult, build_metadata
+from planners.save import DefaultSavePlanner
+from storage_plugins.posix import PosixStorage
+
+from .common import launch
+from .scale import Layout, local_plans, simulated_write_results
+
+TIMEOUT_S = 600.0
+
+
+def layout_for(ranks: int) -> Layout:
+    """TP x PP x DP with ``ranks`` ranks (a power of two): TP up to 8, then
+    PP up to 16, then DP grows."""
+    tp = min(8, ranks)
+    pp = min(16, ranks // tp)
+    return Layout(tp=tp, pp=pp, dp=ranks // (tp * pp))
+
+
+class _CountingStorage(PosixStorage):
+    """The POSIX plugin, counting the exchange files each rank read whole
+    (``reads``, keyed by the rank set in ``rank``) and the polls that found
+    none (``misses``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank = 0
+        self.reads: Counter = Counter()
+        self.misses: Counter = Counter()
+
+    def read_exchange(self, name: str):
+        payload = super().read_exchange(name)
+        (self.reads if payload is not None else self.misses)[self.rank] += 1
+        return payload
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult]]:
+    plans = local_plans(layout_for(ranks))
+    final = DefaultSavePlanner().create_global_plan(plans)
+    return plans, simulated_write_results(plans, final)
+
+
+def measure_file(ranks: int, scratch: str | None) -> dict:
+    """One save's two coordination steps over exchange files, ``ranks``
+    ranks played one after the other in this process.
+
+    Per step: every other rank encodes and writes its part (``_gather``);
+    the coordinator runs the whole step (:meth:`CoordinatorBase.step`:
+    read the N parts, plan or build the metadata, write the answers); every
+    other rank reads and decodes its answer (``_reply``).  Played in turn,
+    no rank waits or competes for the GIL, so each time is that rank's own
+    work; the step's critical path, as on a cluster where ranks run in
+    parallel, is the slowest part written + the coordinator + the slowest
+    answer read.
+    """
+    plans, results = _payloads(ranks)
+    root = Path(tempfile.mkdtemp(prefix=f"coord-file-{ranks}-", dir=scratch))
+    storage = _CountingStorage(str(root / "ckpt"))
+    coords = [FileCoordinator(storage, "bench", r, ranks, TIMEOUT_S) for r in range(ranks)]
+    decls: dict = {}
+
+    def plan_all(parts: list[SavePlan]) -> PerRank:
+        for p in parts:
+            decls.update(p.tensors)
+        return PerRank(DefaultSavePlanner().create_global_plan(parts))
+
+    def commit(parts: list[WriteResult]):
+        return build_metadata("0123456789abcdef", ranks, decls, parts)
+
+    row = {"transport": "file", "ranks": ranks}
+    try:
+        for number, (step, parts, global_fn) in enumerate(
+                (("plans", plans, plan_all), ("results", results, commit))):
+            inputs = []
+            for r in range(1, ranks):
+                storage.rank = r
+                inputs.append(_timed(lambda: coords[r]._gather(number, step, (parts[r], None))))
+            storage.rank = 0
+            compute = []
+
+            def timed_global(values, fn=global_fn):
+                t = time.perf_counter()
+                out = fn(values)
+                compute.append(time.perf_counter() - t)
+                return out
+
+            coordinator = _timed(lambda: coords[0].step(step, lambda: parts[0], timed_global))
+            answers = []
+            for r in range(1, ranks):
+                storage.rank = r
+                answers.append(_timed(lambda: coords[r]._reply(number, step, False, None)))
+            row.update({
+                f"{step}_rank_part_s": max(inputs),
+                f"{step}_coordinator_s": coordinator,
+                f"{step}_compute_s": compute[0],
+                f"{step}_rank_answer_s": max(answers),
+                f"{step}_critical_s": max(inputs) + coordinator + max(answers),
+            })
+        coords[0].close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    others = [storage.reads[r] / 2 for r in range(1, ranks)]
+    return {**row, "coordinator_reads_per_step": storage.reads[0] / 2,
+            "rank_reads_per_step_max": max(others),
+            "polls_missed": sum(storage.misses.values()),
+            "payload_bytes_per_rank": (_encoded_size(plans) + _encoded_size(results)) / ranks}
+
+
+def _save_steps(coord: CoordinatorBase, plan: SavePlan, result: WriteResult,
+                compute: dict[str, float]) -> dict[str, float]:
+    """The coordination steps of one save on one rank (as in
+    :meth:`dcp.save._Save.run`); returns when this rank got each answer,
+    seconds after its start.  The coordinator records its compute time per
+    step in ``compute``."""
+    start = time.perf_counter()
+    seen: dict[str, float] = {}
+    decls: dict = {}
+
+    def plan_all(plans: list[SavePlan]) -> list[SavePlan]:
+        t = time.perf_counter()
+        final = DefaultSavePlanner().create_global_plan(plans)
+        for p in plans:
+            decls.update(p.tensors)
+        compute["plans"] = time.perf_counter() - t
+        return final
+
+    def commit(results: list[WriteResult]):
+        t = time.perf_counter()
+        md = build_metadata("0123456789abcdef", coord.world_size, decls, results)
+        compute["results"] = time.perf_counter() - t
+        return md
+
+    coord.gather_scatter("save planning", lambda: plan, plan_all)
+    seen["plans"] = time.perf_counter() - start
+    coord.gather_broadcast("save writing/commit", lambda: result, commit)
+    seen["results"] = time.perf_counter() - start
+    return seen
+
+
+def _encoded_size(values) -> int:
+    return sum(len(wire.encode(v)) for v in values)
+
+
+def _times(seen: list[dict], compute: dict[str, float]) -> dict:
+    """Per step: the slowest rank's time to its answer (``critical``: ranks
+    run in parallel) and the coordinator's compute."""
+    out, previous = {}, 0.0
+    for step in ("plans", "results"):
+        wall = max(s[step] for s in seen)
+        out[f"{step}_critical_s"] = wall - previous
+        out[f"{step}_compute_s"] = compute[step]
+        previous = wall
+    return out
+
+
+def _gloo_rank(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as dist
+
+    plans, results = _payloads(world_size)
+    compute: dict[str, float] = {}
+    dist.barrier()
+    seen = _save_steps(Coordinator(), plans[rank], results[rank], compute)
+    everyone = [None] * world_size if rank == 0 else None
+    dist.gather_object(seen, everyone, dst=0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"transport": "gloo", "ranks": world_size,
+                                         **_times(everyone, compute)}))
+
+
+def measure_gloo(world_size: int, scratch: str) -> dict:
+    """One save's coordination over a gloo group of ``world_size`` processes."""
+    out = Path(tempfile.mkdtemp(prefix="coord-gloo-", dir=scratch)) / "row.json"
+    try:
+        launch(_gloo_rank, world_size, str(out))
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def run(out_dir, *, ranks=(64, 128, 256, 512), gloo=(2, 4, 8), repeat: int = 3,
+        quick: bool = False, scratch: str | None = None) -> list[dict]:
+    """Measure each transport and size ``repeat`` times; one row per
+    (transport, ranks) with medians (``*_s``) and ranges (``*_s_range``);
+    written to ``out_dir/coordination.json``."""
+    if quick:
+        ranks, gloo, repeat = (16, 32), (2,), 1
+    rows = []
+    for transport, sizes, fn in (("file", ranks, measure_file), ("gloo", gloo, measure_gloo)):
+        for n in sizes:
+            runs = [fn(n, scratch) for _ in range(repeat)]
+            row = dict(runs[0])
+            for key in list(runs[0]):
+                if key.endswith("_s"):
+                    values = [r[key] for r in runs]
+                    row[key] = statistics.median(values)
+                    row[f"{key}_range"] = [min(values), max(values)]
+            row["repeat"] = repeat
+            rows.append(row)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "coordination.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table."""
+    def cell(r, key):
+        if key not in r:
+            return "–"
+        lo, hi = r.get(f"{key}_range", (r[key], r[key]))
+        return f"{r[key]:.3f} ({lo:.3f}–{hi:.3f})"
+
+    lines = ["| transport | ranks | plans: critical path s | plans: coordinator s | planning s | "
+             "results: critical path s | results: coordinator s | metadata s | "
+             "files read per step: coordinator / other rank | payload KB per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        reads = (f"{r['coordinator_reads_per_step']:.0f} / {r['rank_reads_per_step_max']:.0f}"
+                 if "coordinator_reads_per_step" in r else "–")
+        size = f"{r['payload_bytes_per_rank'] / 1e3:.0f}" if "payload_bytes_per_rank" in r else "–"
+        lines.append(
+            f"| {r['transport']} | {r['ranks']} | {cell(r, 'plans_critical_s')} | "
+            f"{cell(r, 'plans_coordinator_s')} | {r['plans_compute_s']:.3f} | "
+            f"{cell(r, 'results_critical_s')} | {cell(r, 'results_coordinator_s')} | "
+            f"{r['results_compute_s']:.3f} | {reads} | {size} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.coordination",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[64, 128, 256, 512],
+                        help="simulated ranks of the file-flag protocol")
+    parser.add_argument("--gloo", nargs="+", type=int, default=[2, 4, 8],
+                        help="world sizes of the gloo runs (processes)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--scratch", default=None)
+    args = parser.parse_args(argv)
+    print(markdown(run(args.out, ranks=args.ranks, gloo=args.gloo, repeat=args.repeat,
+                       scratch=args.scratch)))
+
+
+if __name__ == "__main__":
+    main()
