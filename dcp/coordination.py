@@ -134,7 +134,7 @@ class CoordinatorBase(abc.ABC):
         the ``global_fn`` raised."""
         n = self._next_step()
         local, failure, exc = _capture(self.rank, local_fn)
-        gathered = self._gather(n, phase, (local, failure))
+        gathered = self._transport(phase, lambda: self._gather(n, phase, (local, failure)))
         shared, reply = False, None
         if self.is_coordinator:
             failures = [f for _, f in gathered if f is not None]
@@ -147,10 +147,23 @@ class CoordinatorBase(abc.ABC):
                 reply = [(v, None) for v in answer.values]
             else:
                 shared, reply = True, (answer, None)
-        value, failures = self._reply(n, phase, shared, reply)
+        value, failures = self._transport(phase, lambda: self._reply(n, phase, shared, reply))
         if failures:
             self._raise(phase, failures, exc)
         return value
+
+    def _transport(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a transport primitive; its failure (a peer that died or
+        timed out, a broken connection) becomes a :class:`CheckpointError`
+        naming this rank and the phase."""
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"{phase}: rank {self.rank} lost contact with the other ranks (a rank died, "
+                f"hung or timed out): {type(e).__name__}: {e}") from e
 
     def gather_scatter(self, phase: str, local_fn: Callable[[], Any],
                        global_fn: Callable[[list[Any]], list[Any]]) -> Any:
@@ -178,7 +191,7 @@ class CoordinatorBase(abc.ABC):
         if self.is_coordinator:
             value, failure, exc = _capture(self.rank, fn)
             reply = (None, [failure]) if failure else (value, None)
-        value, failures = self._reply(n, phase, self.is_coordinator, reply)
+        value, failures = self._transport(phase, lambda: self._reply(n, phase, self.is_coordinator, reply))
         if failures:
             self._raise(phase, failures, exc)
         return value

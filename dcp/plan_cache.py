@@ -77,15 +77,15 @@ class PlanCache:
     def save(self, job: _Save, save_id: str) -> CachedSaveResult:
         """Run ``job`` (not yet started) with the cache, as save ``save_id``.
 
-        Raises :class:`CheckpointError` on every rank if the save fails (or
-        what the transport raised, such as a timeout); the cache is dropped
-        then and every file this rank wrote is deleted.
+        Raises :class:`CheckpointError` on every rank if the save fails; the
+        cache is dropped then and the files this rank wrote are deleted
+        (:meth:`_Save.discard`).
         """
         try:
             return self._save(job, save_id)
         except Exception:  # any failure, a transport timeout included: clean up, re-raise
             self.entry = None
-            job.storage.delete(job.written)
+            job.discard()
             raise
 
     def _save(self, job: _Save, save_id: str) -> CachedSaveResult:

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 
+from dcp import retry
 from dcp.errors import CheckpointError
 from dcp.metadata import checksum
 
@@ -50,9 +51,26 @@ class StoragePlugin(abc.ABC):
     """
 
     thread_count: int = 1
+    #: How the core retries this plugin's calls that fail transiently (see
+    #: :meth:`is_transient`): every data-file write of a save and every
+    #: exchange-file write.
+    retry_policy: retry.RetryPolicy = retry.RetryPolicy()
 
     def __init__(self, checkpoint_id: str, **options) -> None:
         self.checkpoint_id = checkpoint_id
+
+    def is_transient(self, error: BaseException) -> bool:
+        """Whether a call that raised ``error`` may succeed if attempted
+        again (then the core retries it under :attr:`retry_policy`).  The
+        default: timeouts, connection errors and ``OSError`` numbers such as
+        ``EIO``, ``ENOSPC``, ``ETIMEDOUT`` (:data:`dcp.retry.TRANSIENT_ERRNOS`).
+        A plugin whose backend retries by itself returns ``False`` for the
+        failures it has already retried."""
+        return retry.is_transient(error)
+
+    def retrying(self, fn, *args):
+        """``fn(*args)`` (a call of this plugin) under :attr:`retry_policy`."""
+        return self.retry_policy.call(lambda: fn(*args), self.is_transient)
 
     @abc.abstractmethod
     def write_file(self, name: str, buffers: Sequence[memoryview | bytes]) -> None:
@@ -97,9 +115,10 @@ class StoragePlugin(abc.ABC):
 
     def write_exchange(self, name: str, payload: bytes) -> None:
         """Write a small exchange file that ends with a completion flag (a
-        trailer holding a magic number, the payload length and its CRC-32C)."""
+        trailer holding a magic number, the payload length and its CRC-32C),
+        retrying transient failures under :attr:`retry_policy`."""
         trailer = _EXCHANGE_TRAILER.pack(_EXCHANGE_MAGIC, len(payload), checksum(payload))
-        self.write_file(name, [payload, trailer])
+        self.retrying(self.write_file, name, [payload, trailer])
 
     def read_exchange(self, name: str) -> bytes | None:
         """The payload of a complete exchange file, or ``None`` if the file

@@ -104,10 +104,22 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
             read fails (missing or short file), a checksum does not match, or
             the chunks do not cover the tensor.
     """
+    covered = sum(volume(chunk.sizes) for chunk in meta.chunks)
+    if covered != volume(meta.shape):
+        raise CorruptCheckpointError(
+            f"{fqn!r}: its chunks cover {covered} of its {volume(meta.shape)} elements")
+    for chunk in meta.chunks:  # every chunk's last byte first: no allocation for crafted sizes
+        if chunk.nbytes:
+            try:
+                storage.read_ranges(chunk.file, [(chunk.byte_offset + chunk.nbytes - 1,
+                                                  memoryview(bytearray(1)))])
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                    f"{chunk.file!r} failed: {e}") from e
     out = tensors.empty_host(meta.shape, meta.dtype)
     view = tensors.byte_view(out)
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
-    covered = 0
     for chunk in meta.chunks:
         ranges, pos = [], 0
         for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
@@ -128,10 +140,6 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
                     f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                     f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                     f"{chunk.file!r}): the checkpoint is corrupted")
-        covered += volume(chunk.sizes)
-    if covered != volume(meta.shape):
-        raise CorruptCheckpointError(
-            f"{fqn!r}: its chunks cover {covered} of its {volume(meta.shape)} elements")
     return out
 
 

@@ -62,6 +62,12 @@ class FsspecStorage(StoragePlugin):
         options, with the listings cache off."""
         return {**options, "use_listings_cache": False}
 
+    def is_transient(self, error: BaseException) -> bool:
+        """``False``: fsspec's object-store backends retry transient failures
+        themselves, per request (s3fs through botocore, gcsfs, adlfs), so a
+        failure that reaches the core is final."""
+        return False
+
     def path(self, name: str) -> str:
         """The filesystem path of the checkpoint file ``name``."""
         return f"{self.root}/{name}"

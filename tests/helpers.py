@@ -96,7 +96,9 @@ def mentions_shape(msg: str, shape) -> bool:
 
 # ------------------------------------------------------ storage fault injection
 class FailingStorage(PosixStorage):
-    """Raises ``OSError`` on the ``fail_on``-th ``write_file`` call (0: never).
+    """Raises ``OSError`` (ENOSPC) on the ``fail_on``-th ``write_file`` call
+    (0: never) and on every later attempt to write that file, so the error
+    outlasts the core's retries.
 
     ``write_file`` runs in the save's writer threads, so the error starts in
     one of them."""
@@ -116,6 +118,7 @@ class FailingStorage(PosixStorage):
         if n == self.fail_on:
             self.failed_name = name
             self.failed_in_thread = threading.current_thread().name
+        if name == self.failed_name:
             raise OSError(28, "injected: no space left on device", name)
         return super().write_file(name, buffers)
 
