@@ -299,19 +299,23 @@ class _Save:
         self.written = names
         replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
-        with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
+        workers = max(1, self.storage.thread_count)
+        with ThreadPoolExecutor(workers) as pool:
             writes = [pool.submit(self._write_file, name, group)
                       for name, group in zip(names, groups)]
-            hashes = {key: pool.submit(self._hash, key) for key in replicas}
+            batches = [replicas[k::workers] for k in range(workers)]
+            hashes = [pool.submit(self._hash_all, batch) for batch in batches if batch]
             for future in writes:
                 chunks, prints = future.result()
                 result.chunks.extend(chunks)
                 result.fingerprints.update(prints)
-            result.replicas = {key: f.result() for key, f in hashes.items()}
+            for future in hashes:  # one task per thread: thousands of small replicas are cheap
+                result.replicas.update(future.result())
         return result
 
-    def _hash(self, key) -> int:
-        return fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
+    def _hash_all(self, keys: list) -> dict:
+        return {key: fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
+                for key in keys}
 
     def _bytes(self, item: WriteItem) -> memoryview:
         """The bytes of ``item``: a chunk this rank holds, or a box inside
