@@ -197,14 +197,13 @@ class _Saver:
         self.worker: WorkerHandle | None = None
         self.worker_layout: Layout | None = None
         self.plan_entry: CacheEntry | None = None  # the plan cache, for a new worker
-        self.gloo_failures = 0  # names the workers' gloo group: every rank counts the same
         self.seq = 0
         self.counters = AsyncSaveCounters()
 
     def _rendezvous(self) -> Rendezvous:
         """Where this saver's workers build their gloo group: the store the
         job's default group was initialized with (reachable from another
-        process), under a prefix unique to the saver and its failure count."""
+        process), under a prefix unique to the saver."""
         store = c10d._get_default_store()
         base = getattr(store, "_underlying_non_prefix_store", store)
         if isinstance(base, dist.TCPStore):
@@ -215,7 +214,7 @@ class _Saver:
             raise CheckpointError(
                 f"coordination='gloo' needs a TCP or file rendezvous store (torchrun's, or "
                 f"MASTER_ADDR/MASTER_PORT), not a {type(base).__name__}; use coordination='file'")
-        return Rendezvous(address, f"hyperdcp/async/{self.token}/{self.gloo_failures}")
+        return Rendezvous(address, f"hyperdcp/async/{self.token}/")
 
     def save(self, state_dict, checkpoint_id: str, options: _Options,
              finish: Callable[[], None]) -> AsyncSaveResponse:
@@ -259,7 +258,6 @@ class _Saver:
         if job.coordination != "none":  # the outcome of a coordinated save is every rank's
             if outcome.error is not None:
                 self.plan_entry = None
-                self.gloo_failures += job.coordination == "gloo"
             elif outcome.exchanged:
                 self.plan_entry = outcome.plan_entry
         c = self.counters

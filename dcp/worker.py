@@ -20,9 +20,12 @@ sentinel), and the next save spawns a new one.
 
 The gloo group is built from the job's rendezvous store (torchrun's store, or
 whatever store the trainer's default group was initialized with) under a
-prefix unique to the saver and to its count of failed gloo saves (a count
-every rank shares): after a failure every rank's worker, or its
-replacement, builds a fresh group.
+prefix unique to the saver.  Before each gloo save the workers meet in the
+store (three counter updates and one wait per rank: no N² traffic) and
+agree whether to rebuild the group: they do as soon as any of them is new
+(its predecessor died) or saw its last save fail.  So ranks that saw one
+save end differently — a rank killed after the commit that the others
+completed — still meet in one fresh group, instead of in two different ones.
 """
 
 from __future__ import annotations
@@ -183,7 +186,8 @@ class _Worker:
     def __init__(self) -> None:
         self.layout: Layout | None = None
         self.cache = PlanCache()
-        self.group_prefix: str | None = None
+        self.store: Any = None  # the rendezvous store, under the saver's prefix
+        self.group_ok = False  # a gloo group exists and its last save succeeded
 
     def run(self, job: SaveJob) -> tuple[Outcome, Callable[[], None]]:
         start = time.perf_counter()
@@ -212,6 +216,7 @@ class _Worker:
                     cleanup = coord.close
                 done = self.cache.save(_Save(describe, storage, planner, coord, job.overwrite),
                                        job.save_id)
+                self.group_ok = job.coordination == "gloo"
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
                                   plan_entry=self.cache.entry if done.exchanged else None)
@@ -228,27 +233,46 @@ class _Worker:
             return FileCoordinator(storage, job.save_id, job.rank, job.world_size, job.timeout)
         if job.world_size == 1:
             return LocalCoordinator(0, 1)
-        self._join_group(job.rendezvous, job.rank, job.world_size, job.timeout)
+        self._join_group(job)
         return Coordinator()
 
-    def _join_group(self, rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> None:
-        """Make the worker's default process group the gloo group of
-        ``rendezvous`` (rebuilt when its prefix changed)."""
-        if self.group_prefix == rendezvous.prefix:
+    def _join_group(self, job: SaveJob) -> None:
+        """Make the worker's default process group the gloo group of the
+        job's rendezvous, rebuilt (as group ``seq``) if any rank needs it."""
+        rendezvous, rank, world_size = job.rendezvous, job.rank, job.world_size
+        arrival = datetime.timedelta(seconds=max(job.timeout, RENDEZVOUS_S))
+        if self.store is None:
+            kind, *where = rendezvous.store
+            if kind == "tcp":
+                base: Any = dist.TCPStore(where[0], where[1], is_master=False, timeout=arrival,
+                                          wait_for_workers=False)
+            else:
+                base = dist.FileStore(where[0], -1)
+            self.store = dist.PrefixStore(rendezvous.prefix, base)
+        meet = f"save{job.seq}"
+        healthy = self.group_ok and dist.is_initialized()
+        if not healthy:
+            self.store.add(f"{meet}/rebuild", 1)
+        self.group_ok = False  # until this save succeeds
+        if self.store.add(f"{meet}/arrived", 1) == world_size:
+            self.store.set(f"{meet}/go", "1")
+            if job.seq:  # everyone is past the previous meeting
+                for key in ("rebuild", "arrived", "go"):
+                    self.store.delete_key(f"save{job.seq - 1}/{key}")
+        # a peer whose worker died mid-save fails this one within the
+        # coordination timeout; a new worker here allows for spawning peers
+        try:
+            self.store.wait([f"{meet}/go"], datetime.timedelta(seconds=job.timeout)
+                            if healthy else arrival)
+        except Exception as e:  # the store's timeout error names no rank
+            raise CheckpointError(
+                f"rank {rank}: not every rank's background process arrived for save "
+                f"{job.seq} of this job within {job.timeout if healthy else arrival.seconds} s "
+                f"({type(e).__name__}: {e})") from e
+        if not self.store.add(f"{meet}/rebuild", 0):
             return
         if dist.is_initialized():
             dist.destroy_process_group()
-            self.group_prefix = None
-        arrival = datetime.timedelta(seconds=max(timeout, RENDEZVOUS_S))
-        kind, *where = rendezvous.store
-        if kind == "tcp":
-            base: Any = dist.TCPStore(where[0], where[1], is_master=False, timeout=arrival,
-                                      wait_for_workers=False)
-        else:
-            base = dist.FileStore(where[0], -1)
-        store = dist.PrefixStore(rendezvous.prefix, base)
-        store.set(f"arrived/{rank}", "1")
-        store.wait([f"arrived/{r}" for r in range(world_size)], arrival)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
-        self.group_prefix = rendezvous.prefix
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"group{job.seq}", self.store),
+                                rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=job.timeout))
