@@ -61,6 +61,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from dcp import pending
 from dcp.errors import CheckpointError
+from dcp.gc_pause import gc_paused
 from dcp.metadata import Metadata
 from dcp.plan_cache import CacheEntry
 from dcp.planner import SavePlanner
@@ -362,8 +363,9 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
     saver = _saver_for(process_group)
     options = _Options(planner, storage, dict(storage_options or {}), coordination, overwrite,
                        allow_pickle, blocking_staging, float(timeout))
-    response = saver.save(state_dict, str(checkpoint_id), options,
-                          pending.begin(str(checkpoint_id)))
+    with gc_paused():
+        response = saver.save(state_dict, str(checkpoint_id), options,
+                              pending.begin(str(checkpoint_id)))
     if callback is not None:
         response.add_done_callback(callback)
     return response

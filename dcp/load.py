@@ -29,7 +29,7 @@ import pickle
 import threading
 import uuid
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dcp import tensors
@@ -37,6 +37,7 @@ from dcp.boxes import byte_runs
 from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination import Coordinator
 from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.gc_pause import gc_paused
 from dcp.host_exchange import HostExchange, host_key
 from dcp.independent import read_metadata_bytes
 from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
@@ -139,20 +140,35 @@ class _Load:
     def read(self, plan: LoadPlan) -> int:
         """Read this rank's items and run its transfers; returns bytes read."""
         me = self.coord.rank
-        sourced = [item for t in plan.transfers if t.src == me for item in t.items]
-        by_file: dict[str, list[ReadItem]] = defaultdict(list)
-        for item in set(plan.items).difference(sourced):
-            by_file[self.metadata.tensors[item.fqn].chunks[item.chunk].file].append(item)
+        sourced = [t for t in plan.transfers if t.src == me]
+        own = set(plan.items).difference(i for t in sourced for i in t.items)
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
-            # reads feeding broadcasts first, in the order the broadcasts run
-            reads = {item: pool.submit(self._read_item, item) for item in sourced}
-            own = [pool.submit(self._read_file, name, items) for name, items in by_file.items()]
+            # reads feeding transfers first, in the order the transfers run,
+            # one read_ranges call per transfer and file
+            reads: dict[ReadItem, tuple[Future, int]] = {}
+            futures = []
+            for items in [*(t.items for t in sourced), own]:
+                for name, group in self._by_file(items).items():
+                    futures.append(pool.submit(self._read_file, name, group))
+                    reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
             if plan.transfers:
                 self._run_transfers(plan, reads)
-            for future in [*own, *reads.values()]:
+            for future in futures:
                 future.result()
         self._load_objects()
         return self.bytes_read
+
+    def _by_file(self, items) -> dict[str, list[ReadItem]]:
+        by_file: dict[str, list[ReadItem]] = defaultdict(list)
+        for item in items:
+            by_file[self.metadata.tensors[item.fqn].chunks[item.chunk].file].append(item)
+        return by_file
+
+    @staticmethod
+    def _region(reads: dict, item: ReadItem):
+        """The host tensor holding ``item`` once its read is done."""
+        future, k = reads[item]
+        return future.result()[k]
 
     def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
         """Send what this rank read, receive the rest; a failure is raised
@@ -177,7 +193,8 @@ class _Load:
                             failures.append(e)
                 elif transfer.src == me:
                     try:
-                        buffer = tensors.flat_bytes([reads[i].result() for i in transfer.items], device)
+                        buffer = tensors.flat_bytes([self._region(reads, i) for i in transfer.items],
+                                                    device)
                     except Exception as e:  # raised after all transfers ran
                         failures.append(e)
                         buffer = tensors.zeros_bytes(transfer.nbytes, device)
@@ -198,7 +215,7 @@ class _Load:
         for transfer in transfers:
             key = _key(transfer)
             try:
-                parts = [reads[i].result() for i in transfer.items]
+                parts = [self._region(reads, i) for i in transfer.items]
                 self.exchange.publish(key, [tensors.byte_view(p) for p in parts],
                                       tuple(r for r in transfer.ranks if r != transfer.src))
             except Exception as e:  # raised after all transfers ran
@@ -241,17 +258,12 @@ class _Load:
         return tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
                               item.sizes)
 
-    def _read_item(self, item: ReadItem):
-        """Read one region from storage into its target; returns a host
-        tensor of the saved dtype holding it (the target's own memory when
-        it could be read in place)."""
-        read = self._prepare(item)
-        self._fetch(item.fqn, read.chunk, read.ranges)
-        return self._finish(read)
-
-    def _read_file(self, name: str, items: list[ReadItem]) -> None:
+    def _read_file(self, name: str, items: list[ReadItem]) -> list:
         """Read regions of one file with a single ``read_ranges`` call (one
-        open, or one batch of concurrent requests on object stores)."""
+        open, or one batch of concurrent requests on object stores) into
+        their targets; returns, per region, a host tensor of the saved
+        dtype holding it (the target's own memory when it could be read in
+        place)."""
         reads = [self._prepare(item) for item in items]
         try:
             self.storage.read_ranges(name, [r for read in reads for r in read.ranges])
@@ -259,8 +271,7 @@ class _Load:
             for read in reads:
                 self._fetch(read.item.fqn, read.chunk, read.ranges)
             raise
-        for read in reads:
-            self._finish(read)
+        return [self._finish(read) for read in reads]
 
     def _prepare(self, item: ReadItem) -> "_Read":
         """Where a region's bytes go: straight into the target when its
@@ -414,4 +425,5 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     planner = planner if planner is not None else default_planner("load")
     job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify)
-    return job.run(str(checkpoint_id))
+    with gc_paused():
+        return job.run(str(checkpoint_id))

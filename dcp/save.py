@@ -33,6 +33,7 @@ from typing import Any, Callable
 from dcp import pending, tensors, wire
 from dcp.coordination import Coordinator, CoordinatorBase
 from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.gc_pause import gc_paused
 from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
                           TensorMeta, checksum, decode, encode)
 from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
@@ -466,5 +467,6 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("save")
-    return _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
-                 overwrite).run()
+    with gc_paused():
+        return _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner,
+                     coordinator, overwrite).run()

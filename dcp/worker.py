@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from dcp.coordination import Coordinator, CoordinatorBase, LocalCoordinator
 from dcp.errors import CheckpointError
 from dcp.file_coordination import FileCoordinator
+from dcp.gc_pause import gc_paused
 from dcp.independent import IndependentSave
 from dcp.metadata import Metadata
 from dcp.plan_cache import CacheEntry, PlanCache
@@ -174,7 +175,8 @@ def _main(conn) -> None:
             return
         if job is None:
             return
-        outcome, cleanup = worker.run(job)
+        with gc_paused():
+            outcome, cleanup = worker.run(job)
         conn.send(outcome)
         cleanup()
 
