@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dcp
 import s3_server
+from dcp.file_coordination import EXCHANGE_PREFIX
 from dcp.metadata import METADATA_FILE
 from dcp.storage import open_storage
 from dist_harness import dist_scenario
@@ -306,21 +307,23 @@ def test_s3_save_and_resharded_loads_4_ranks(ctx):
 
 @dist_scenario(world_size=4)
 def test_s3_async_save_and_resharded_load_4_ranks(ctx):
-    """dcp.async_save to S3 with each coordination that commits one metadata
-    file — through a gloo group of the background processes, and through
-    exchange files on S3 itself — then a resharded load; tensors changed
-    after async_save returns do not reach the checkpoint, and no exchange
-    file is left behind."""
+    """dcp.async_save to S3 with each coordination — through a gloo group of
+    the background processes, through exchange files on S3 itself, and with
+    none (each rank commits its own metadata file; the load merges them) —
+    then a resharded load; tensors changed after async_save returns do not
+    reach the checkpoint, and no exchange file is left behind."""
     base, options = _setup("async", part_size=1024)
     mesh = init_device_mesh("cpu", (4,))
     full = random_tensor((32, 16), torch.float32, seed=21)
     loaded = {}
-    for mode in ("gloo", "file"):
+    for mode in ("gloo", "file", "none"):
         url = f"{base}/{mode}"
         state = {"w": make_dtensor(full, mesh, "S0"), "step": 5}
         response = dcp.async_save(state, url, coordination=mode, storage_options=options)
         state["w"].to_local().add_(1)
         md = response.result(120)
+        if mode == "none":  # each rank's result covers its own part only
+            ctx.barrier()
         target = {"w": zeros_dtensor((32, 16), torch.float32, mesh, "S1"), "step": 0}
         dcp.load(target, url, storage_options=options)
         loaded[mode] = target, md, url
@@ -330,7 +333,13 @@ def test_s3_async_save_and_resharded_load_4_ranks(ctx):
         assert target["step"] == 5
         if ctx.rank == 0:
             names = _names(s3_server.client(options["endpoint_url"]), url)
-            assert names == sorted(md.files() | {METADATA_FILE}), (mode, names)
+            if mode == "none":  # data files plus one metadata file per rank
+                merged = dcp.read_metadata(url, storage_options=options)
+                assert not [n for n in names if n.startswith(EXCHANGE_PREFIX)], names
+                assert merged.files() <= set(names), (merged.files(), names)
+                assert set(names) - merged.files() == {f"metadata.rank{r:05d}.json" for r in range(4)}, names
+            else:
+                assert names == sorted(md.files() | {METADATA_FILE}), (mode, names)
 
 
 @dist_scenario(world_size=4)
