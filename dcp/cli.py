@@ -46,6 +46,7 @@ from tqdm import tqdm
 from dcp import safetensors_io, torch_dcp_io
 from dcp.diff import diff
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.independent import rank_metadata_file
 from dcp.load import read_metadata
 from dcp.metadata import CHECKSUM, METADATA_FILE
 from dcp.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
@@ -54,6 +55,10 @@ from dcp.torch_dcp_io import TORCH_METADATA_FILE
 from dcp.verify import verify
 
 EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+
+
+class UsageError(CheckpointError):
+    """A malformed command line (exit code 2)."""
 FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
 
 
@@ -66,7 +71,7 @@ def _options(pairs: list[str]) -> dict[str | None, dict]:
         key, sep, value = pair.partition("=")
         scheme, _, name = key.rpartition(":")
         if not sep or not name:
-            raise CheckpointError(f"storage option {pair!r} is not [SCHEME:]KEY=VALUE")
+            raise UsageError(f"storage option {pair!r} is not [SCHEME:]KEY=VALUE")
         try:
             parsed = json.loads(value)
         except ValueError:
@@ -86,8 +91,8 @@ def _detect(uri: str, options: dict[str | None, dict]) -> str:
     if uri.endswith(SUFFIX):
         return "safetensors"
     storage = open_storage(uri, **_options_for(uri, options))
-    if storage.exists(METADATA_FILE):
-        return "hyperdcp"
+    if storage.exists(METADATA_FILE) or storage.exists(rank_metadata_file(0)):
+        return "hyperdcp"  # committed by a coordinated save, or per rank (coordination="none")
     if storage.exists(TORCH_METADATA_FILE):
         return "torch-dcp"
     if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except CheckpointError as e:
         print(f"hyperdcp: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
     except KeyboardInterrupt:
         print("hyperdcp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

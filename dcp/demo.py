@@ -420,7 +420,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the default temp work directory")
     parser.add_argument("--steps", type=int, default=20, help="total training steps (default 20)")
     parser.add_argument("--save-step", type=int, default=10,
-                        help="step after which to save (default 10)")
+                        help=f"the step whose checkpoint the second job resumes from (default "
+                             f"10; the first job also saves every {SAVE_EVERY} steps)")
     parser.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 0 < args.save_step < args.steps:

@@ -32,7 +32,7 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dcp import tensors
+from dcp import pending, tensors
 from dcp.boxes import byte_runs
 from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination import Coordinator
@@ -90,7 +90,14 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
     """
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
-    return decode(read_metadata_bytes(storage), f"{checkpoint_id}/{METADATA_FILE}")
+    try:
+        data = read_metadata_bytes(storage)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the storage's own error (unreachable endpoint, permissions, ...)
+        raise CheckpointError(f"reading the metadata of {checkpoint_id!r} failed: "
+                              f"{type(e).__name__}: {e}") from e
+    return decode(data, f"{checkpoint_id}/{METADATA_FILE}")
 
 
 class _Load:
@@ -412,6 +419,9 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             ``"all"`` every byte, reading whole chunks where parts are
             needed; ``"none"`` nothing.
 
+    A save to ``checkpoint_id`` still in flight in this process
+    (:func:`dcp.async_save`) is waited for first.
+
     Raises:
         NotACheckpointError: nothing committed at ``checkpoint_id``.
         CorruptCheckpointError: a checksum mismatch, or a missing or
@@ -419,6 +429,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         CheckpointError: shape or dtype mismatch, missing keys, or a
             failure on another rank (naming it).
     """
+    pending.wait(str(checkpoint_id))  # this process's save in flight to it, if any
     coordinator = Coordinator(process_group)
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))

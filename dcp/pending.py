@@ -2,8 +2,8 @@
 
 :func:`dcp.async_save` registers each save here until it is committed or
 has failed.  A new :func:`dcp.async_save` or :func:`dcp.save` first waits for
-the save in flight (one save in flight per job), and a load should wait for
-a save in flight to the checkpoint it reads (:func:`wait` with its id).
+the save in flight (one save in flight per job), and :func:`dcp.load` waits
+for a save in flight to the checkpoint it reads (:func:`wait` with its id).
 Other processes never see a partial checkpoint anyway: the metadata is
 committed last.
 """

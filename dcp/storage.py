@@ -156,7 +156,8 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     ...) goes to the plugin registered under the name ``fsspec``, the
     generic one.  Raises :class:`CheckpointError` for an unknown scheme,
     listing the installed schemes and, for known optional backends, what to
-    install.
+    install, and for options the plugin refuses (an unknown name, a bad
+    value), naming them.
     """
     scheme = scheme_of(str(checkpoint_id))
     plugins = installed_schemes()
@@ -173,4 +174,9 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     except ImportError as e:
         hint = INSTALL_HINTS.get(scheme, e.name or "its dependencies")
         raise CheckpointError(f"storage plugin for {scheme!r} cannot be imported ({e}); install {hint}") from e
-    return cls(str(checkpoint_id), **options)
+    try:
+        return cls(str(checkpoint_id), **options)
+    except (TypeError, ValueError) as e:  # an option the plugin does not take, or a bad value
+        raise CheckpointError(
+            f"storage plugin {scheme!r} refused the options {sorted(options)} for "
+            f"{checkpoint_id!r}: {e}") from e

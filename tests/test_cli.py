@@ -25,6 +25,7 @@ import dcp
 import s3_server
 from dcp.cli import main
 from dcp.metadata import CHECKSUM
+from dcp.verify import verify
 from helpers import assert_bitwise_equal, randn
 from storage_plugins.shm import DEFAULT_ROOT
 
@@ -166,7 +167,7 @@ def test_convert_in_every_direction(ckpt, tmp_path, capsys):
     assert_bitwise_equal(load_file(tmp_path / "renamed" / "model.safetensors")["W"], _state()["model"]["w"])
     code, _, err = _run(capsys, "convert", str(ckpt), str(tmp_path / "bad"), "--to", "safetensors",
                         "--rename-map", str(tmp_path / "rename.json"), "-o", "nonsense")
-    assert code == 1 and "nonsense" in err
+    assert code == 2 and "nonsense" in err  # a malformed command line
 
 
 def _plugin_uri(scheme: str, tmp_path: Path) -> tuple[str, list[str]]:
@@ -257,3 +258,41 @@ def test_installed_command_shows_progress_only_on_a_terminal(ckpt, tmp_path):
     code, out, err = _command("verify", str(ckpt), tty=True)
     assert code == 3 and "DAMAGED: tensor 'model.b'" in out
     assert "verify:" in err and "%|" in err, err  # tqdm's bar, on the terminal
+
+
+def test_per_rank_metadata_of_an_uncoordinated_save_is_a_checkpoint(tmp_path, capsys):
+    """A checkpoint of ``async_save(coordination="none")`` has one metadata
+    file per rank and no ``metadata.json``: every command reads it."""
+    path = str(tmp_path / "none")
+    state = _state()
+    dcp.async_save(state, path, coordination="none").result(120)
+    assert not (tmp_path / "none" / "metadata.json").exists()
+    code, out, _ = _run(capsys, "inspect", path)
+    assert code == 0 and "hyperdcp format" in out, out
+    code, out, _ = _run(capsys, "verify", path)
+    assert code == 0, out
+    code, _, _ = _run(capsys, "diff", path, path)
+    assert code == 0
+
+
+def test_bad_storage_options_are_one_line_errors(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    dcp.save(_state(), path)
+    code, _, err = _run(capsys, "verify", path, "-o", "thred_count=2")
+    assert code == 1 and "thred_count" in err and "Traceback" not in err, err
+    code, _, err = _run(capsys, "inspect", path, "-o", "no-equals-sign")
+    assert code == 2 and "KEY=VALUE" in err, err
+    with pytest.raises(dcp.CheckpointError, match="thred_count"):
+        dcp.save(_state(), str(tmp_path / "other"), storage_options={"thred_count": 2})
+
+
+def test_verify_refuses_chunks_that_do_not_cover_the_shape(tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(35.0).reshape(7, 5)}, str(path))
+    doc = json.loads((path / "metadata.json").read_text())
+    doc["tensors"]["w"]["shape"] = [9, 5]
+    (path / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"'w' has shape \[9, 5\].*hold 35"):
+        verify(str(path))
+    code, out, _ = _run(capsys, "verify", str(path))
+    assert code == 3 and "DAMAGED" in out and "'w' has shape [9, 5]" in out, out

@@ -384,3 +384,12 @@ def test_s3_failed_rank_leaves_no_objects(ctx):
     ctx.barrier()
     if ctx.rank == 0:
         assert _names(s3_server.client(options["endpoint_url"]), url) == []
+
+
+def test_unreachable_endpoint_is_a_checkpoint_error():
+    """No S3 server behind the endpoint: read_metadata raises CheckpointError
+    naming the checkpoint, not the botocore error."""
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s",
+               "max_attempts": 1, "config_kwargs": {"connect_timeout": 1}}
+    with pytest.raises(dcp.CheckpointError, match="s3://nobucket/ckpt"):
+        dcp.read_metadata("s3://nobucket/ckpt", storage_options=options)
