@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
@@ -220,3 +222,24 @@ def probe_eviction(scratch: str | os.PathLike, size: int = 16 << 20) -> str | No
         return None
     finally:
         shutil.rmtree(probe_dir)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One row from repeated runs of one measurement: every ``*_s`` key
+    becomes the median (seconds), with ``*_s_range`` = [min, max]; other
+    keys come from the first run; ``repeat`` counts the runs."""
+    row = dict(runs[0])
+    for key in list(row):
+        if key.endswith("_s"):
+            values = [r[key] for r in runs]
+            row[key] = statistics.median(values)
+            row[f"{key}_range"] = [min(values), max(values)]
+    row["repeat"] = len(runs)
+    return row
+
+
+def write_rows(rows: list[dict], out_dir: str | os.PathLike, name: str) -> None:
+    """``rows`` as ``out_dir/name.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 import time
 from collections import Counter
@@ -42,7 +41,7 @@ from dcp.save import WriteResult, build_metadata
 from planners.save import DefaultSavePlanner
 from storage_plugins.posix import PosixStorage
 
-from .common import launch
+from .common import launch, summarize, write_rows
 from .scale import Layout, local_plans, simulated_write_results
 
 TIMEOUT_S = 600.0
@@ -232,18 +231,8 @@ def run(out_dir, *, ranks=(64, 128, 256, 512), gloo=(2, 4, 8), repeat: int = 3,
     rows = []
     for transport, sizes, fn in (("file", ranks, measure_file), ("gloo", gloo, measure_gloo)):
         for n in sizes:
-            runs = [fn(n, scratch) for _ in range(repeat)]
-            row = dict(runs[0])
-            for key in list(runs[0]):
-                if key.endswith("_s"):
-                    values = [r[key] for r in runs]
-                    row[key] = statistics.median(values)
-                    row[f"{key}_range"] = [min(values), max(values)]
-            row["repeat"] = repeat
-            rows.append(row)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "coordination.json").write_text(json.dumps(rows, indent=1))
+            rows.append(summarize([fn(n, scratch) for _ in range(repeat)]))
+    write_rows(rows, out_dir, "coordination")
     return rows
 
 

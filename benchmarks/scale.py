@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ from dcp.save import WriteResult, build_metadata
 from planners.load import DefaultLoadPlanner
 from planners.save import DefaultSavePlanner
 
+from .common import summarize, write_rows
 from .report import TargetResult
 
 HIDDEN, LAYERS, VOCAB = 20480, 96, 128000
@@ -230,18 +229,8 @@ def run(out_dir, *, ranks=(1024, 4096, 10240, 16384), repeat: int = 3,
         ranks, repeat = (1024,), 1
     rows = []
     for n in ranks:
-        runs = [measure(n) for _ in range(repeat)]
-        row = dict(runs[0])
-        for key in list(row):
-            if key.endswith("_s"):
-                values = [r[key] for r in runs]
-                row[key] = statistics.median(values)
-                row[f"{key}_range"] = [min(values), max(values)]
-        row["repeat"] = repeat
-        rows.append(row)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(rows, indent=1))
+        rows.append(summarize([measure(n) for _ in range(repeat)]))
+    write_rows(rows, out_dir, "scale")
     return rows
 
 

@@ -46,7 +46,7 @@ from tqdm import tqdm
 from dcp import safetensors_io, torch_dcp_io
 from dcp.diff import diff
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.independent import rank_metadata_file
+from dcp.independent import has_metadata
 from dcp.load import read_metadata
 from dcp.metadata import CHECKSUM, METADATA_FILE
 from dcp.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
@@ -91,8 +91,8 @@ def _detect(uri: str, options: dict[str | None, dict]) -> str:
     if uri.endswith(SUFFIX):
         return "safetensors"
     storage = open_storage(uri, **_options_for(uri, options))
-    if storage.exists(METADATA_FILE) or storage.exists(rank_metadata_file(0)):
-        return "hyperdcp"  # committed by a coordinated save, or per rank (coordination="none")
+    if has_metadata(storage):
+        return "hyperdcp"
     if storage.exists(TORCH_METADATA_FILE):
         return "torch-dcp"
     if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n

@@ -82,6 +82,13 @@ class IndependentSave(_Save):
         return name.startswith(data_file_prefix(self.coord.rank))
 
 
+def has_metadata(storage: StoragePlugin) -> bool:
+    """Whether ``storage`` holds metadata :func:`read_metadata_bytes` reads:
+    a committed ``metadata.json``, or rank 0's file of an uncoordinated save
+    (existence only; reading it still checks that the save completed)."""
+    return storage.exists(METADATA_FILE) or storage.exists(rank_metadata_file(0))
+
+
 def read_metadata_bytes(storage: StoragePlugin) -> bytes:
     """The checkpoint's encoded metadata: the committed ``metadata.json`` of a
     coordinated save, else the merge of the per-rank files of a

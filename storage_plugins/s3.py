@@ -38,13 +38,17 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from typing import Iterable, Sequence
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Iterable, Sequence, TypeVar
 
 import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
 from fsspec.asyn import sync
 from s3fs.core import _error_wrapper  # s3fs's own retry-and-translate loop of its reads
 
 from storage_plugins.fsspec_store import MiB, FsspecStorage, named
+
+T = TypeVar("T")
 
 
 class S3Storage(FsspecStorage):
@@ -93,21 +97,16 @@ class S3Storage(FsspecStorage):
                               f"them", stacklevel=2)
             raise
 
-    async def _upload_parts(self, bucket: str, key: str, upload: str,
-                            views: list[memoryview], size: int) -> list[dict]:
-        """Send every part, ``max_concurrency`` at a time; on a failure cancel
-        the others before raising."""
+    async def _bounded(self, calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+        """Await every call, ``max_concurrency`` at a time, results in order;
+        on a failure cancel the others before raising."""
         slots = asyncio.Semaphore(self.max_concurrency)
 
-        async def send(number: int, start: int) -> dict:
+        async def run(call: Callable[[], Awaitable[T]]) -> T:
             async with slots:
-                body = _slice(views, start, min(start + self.part_size, size))
-                out = await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
-                                             PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": out["ETag"]}
+                return await call()
 
-        tasks = [asyncio.ensure_future(send(n, start))
-                 for n, start in enumerate(range(0, size, self.part_size), 1)]
+        tasks = [asyncio.ensure_future(run(call)) for call in calls]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -116,32 +115,27 @@ class S3Storage(FsspecStorage):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    async def _upload_parts(self, bucket: str, key: str, upload: str,
+                            views: list[memoryview], size: int) -> list[dict]:
+        """Send every part (cut from ``views`` only once its turn comes)."""
+        async def send(number: int, start: int) -> dict:
+            body = _slice(views, start, min(start + self.part_size, size))
+            out = await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload,
+                                         PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        return await self._bounded([partial(send, n, start)
+                                    for n, start in enumerate(range(0, size, self.part_size), 1)])
+
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         bucket, key, _ = self.fs.split_path(self.path(name))
+        calls = [partial(_error_wrapper, self._get_into, args=(name, bucket, key, offset, view),
+                         retries=self.fs.retries)
+                 for offset, view in self._pieces(ranges)]
         try:
-            sync(self.fs.loop, self._get_pieces, name, bucket, key, list(self._pieces(ranges)))
+            sync(self.fs.loop, self._bounded, calls)
         except OSError as e:
             raise named(e, self.url(name)) from e
-
-    async def _get_pieces(self, name: str, bucket: str, key: str,
-                          pieces: list[tuple[int, memoryview]]) -> None:
-        """GET every piece into its view, ``max_concurrency`` at a time; on a
-        failure cancel the others before raising."""
-        slots = asyncio.Semaphore(self.max_concurrency)
-
-        async def get(offset: int, view: memoryview) -> None:
-            async with slots:
-                await _error_wrapper(self._get_into, args=(name, bucket, key, offset, view),
-                                     retries=self.fs.retries)
-
-        tasks = [asyncio.ensure_future(get(offset, view)) for offset, view in pieces]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
 
     async def _get_into(self, name: str, bucket: str, key: str, offset: int,
                         view: memoryview) -> None:
