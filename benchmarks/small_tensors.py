@@ -64,7 +64,7 @@ def targets(rows: list[Row]) -> list[TargetResult]:
 
 
 def _worker(rank: int, world_size: int, config: RunConfig, count: int, workdir: str) -> None:
-    systems = [SYSTEMS[name]() for name in config.systems]
+    systems = [SYSTEMS[name]() for name in config.systems if not getattr(SYSTEMS[name], "floor", False)]
     source, target = _state(count, True), _state(count, False)
     for system in systems:  # imports and first collectives, unmeasured
         system.save(_state(4, True), f"{workdir}/warmup-{system.name}")

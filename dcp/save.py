@@ -38,7 +38,7 @@ from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMet
                           TensorMeta, checksum, decode, encode)
 from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.state_dict import flatten
-from dcp.storage import StoragePlugin, open_storage
+from dcp.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, open_storage
 
 DATA_SUFFIX = ".data"
 
@@ -301,11 +301,12 @@ class _Save:
         replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
         workers = max(1, self.storage.thread_count)
-        with ThreadPoolExecutor(workers) as pool:
-            writes = [pool.submit(self._write_file, name, group)
+        # checksums are computed on their own threads while the bytes are written
+        with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(workers) as hashers:
+            writes = [pool.submit(self._write_file, name, group, hashers)
                       for name, group in zip(names, groups)]
             batches = [replicas[k::workers] for k in range(workers)]
-            hashes = [pool.submit(self._hash_all, batch) for batch in batches if batch]
+            hashes = [hashers.submit(self._hash_all, batch) for batch in batches if batch]
             for future in writes:
                 chunks, prints = future.result()
                 result.chunks.extend(chunks)
@@ -336,24 +337,34 @@ class _Save:
         rel = [i - o for i, o in zip(item.offsets, chunk.offsets)]
         return tensors.byte_view(tensors.to_host(tensors.region(chunk.data, rel, item.sizes)))
 
-    def _write_file(self, name: str, group: list[WriteItem]):
-        """Write one data file; returns its chunks' metadata and the
-        fingerprints of those over :data:`REPLICA_SAMPLE_BYTES`."""
-        buffers, out, prints, offset = [], [], {}, 0
+    def _write_file(self, name: str, group: list[WriteItem], hashers: ThreadPoolExecutor):
+        """Write one data file while ``hashers`` computes its chunks'
+        checksums; returns its chunks' metadata and the fingerprints of those
+        over :data:`REPLICA_SAMPLE_BYTES`."""
+        buffers, placed, offset = [], [], 0
+        align = self.storage.alignment
         for item in group:
             buf = self._bytes(item)
+            if len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
+                buffers.append(bytes(align - offset % align))
+                offset += align - offset % align
             buffers.append(buf)
-            out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset, len(buf),
-                                            checksum(buf), self.coord.rank)))
-            if len(buf) > REPLICA_SAMPLE_BYTES:
-                prints[(item.fqn, item.offsets)] = fingerprint(buf)
+            placed.append((item, buf, offset))
             offset += len(buf)
+        sums = hashers.submit(lambda: [(checksum(buf), fingerprint(buf) if len(buf) > REPLICA_SAMPLE_BYTES
+                                        else None) for _, buf, _ in placed])
         try:
             self.storage.retrying(self.storage.write_file, name, buffers)
         except Exception as e:
             attempts = getattr(e, "attempts", 1)
             tries = f" ({attempts} attempts)" if attempts > 1 else ""
             raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed{tries}: {e}") from e
+        out, prints = [], {}
+        for (item, buf, start), (crc, sample) in zip(placed, sums.result()):
+            out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, start, len(buf), crc,
+                                            self.coord.rank)))
+            if sample is not None:
+                prints[(item.fqn, item.offsets)] = sample
         return out, prints
 
     # -- phase 3: commit (coordinator)

@@ -2,7 +2,9 @@
 
 The only work :func:`dcp.async_save` does on the caller's thread besides
 describing the state dict.  All chunks of a rank live in one flat buffer of
-shared memory (``share_memory_()``), each at a 64-byte aligned offset, so the
+shared memory (``share_memory_()``), each at a 64-byte aligned offset (a
+page boundary for chunks of :data:`dcp.storage.ALIGNED_CHUNK_BYTES` or more,
+which a direct-I/O storage plugin then writes without a copy), so the
 background worker maps the same pages (one file descriptor, handed over once)
 and nothing of the state is ever serialized.  The buffer is kept for the
 next save: as long as the chunks' sizes, dtypes and devices stay the same,
@@ -30,8 +32,10 @@ import torch
 from dcp import tensors
 from dcp.metadata import DTYPE_ITEMSIZE
 from dcp.save import SaveState
+from dcp.storage import ALIGNED_CHUNK_BYTES
 
 ALIGN = 64  # bytes; every chunk starts at a multiple
+PAGE = 4096  # bytes; every chunk of at least ALIGNED_CHUNK_BYTES starts at a multiple
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,12 @@ class Layout:
 def _specs(state: SaveState) -> list[ChunkSpec]:
     specs, offset = [], 0
     for (fqn, offsets), chunk in state.chunks.items():
-        spec = ChunkSpec(fqn, chunk.global_shape, chunk.dtype, offsets, chunk.sizes, offset,
-                         state.slots[(fqn, offsets)], chunk.data.device.type)
-        specs.append(spec)
-        offset += -(-spec.nbytes // ALIGN) * ALIGN
+        nbytes = math.prod(chunk.sizes) * DTYPE_ITEMSIZE[chunk.dtype]
+        align = PAGE if nbytes >= ALIGNED_CHUNK_BYTES else ALIGN
+        offset = -(-offset // align) * align
+        specs.append(ChunkSpec(fqn, chunk.global_shape, chunk.dtype, offsets, chunk.sizes, offset,
+                               state.slots[(fqn, offsets)], chunk.data.device.type))
+        offset += nbytes
     return specs
 
 

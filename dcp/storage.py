@@ -37,6 +37,12 @@ INSTALL_HINTS = {
     "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs",
 }
 
+#: Chunks of at least this many bytes start at a multiple of the plugin's
+#: :attr:`StoragePlugin.alignment` in data files (the save pads before them)
+#: and at a page boundary in staging buffers, so that a direct-I/O plugin
+#: writes them without a copy.
+ALIGNED_CHUNK_BYTES = 1 << 20
+
 _EXCHANGE_MAGIC = b"DCPX"
 _EXCHANGE_TRAILER = struct.Struct("<4sQI")  # magic, payload length, CRC-32C
 
@@ -47,10 +53,14 @@ class StoragePlugin(abc.ABC):
     ``checkpoint_id`` is the URI or path the user passed; ``options`` are the
     plugin's own settings (``storage_options`` of the public API).
     ``thread_count`` is how many data files a rank writes (and reads) in
-    parallel.
+    parallel.  ``alignment`` (bytes) is where large chunks should start in
+    a data file for the plugin's fastest write path: the save pads each
+    chunk of at least :data:`ALIGNED_CHUNK_BYTES` to a multiple of it (1:
+    no padding).
     """
 
     thread_count: int = 1
+    alignment: int = 1
     #: How the core retries this plugin's calls that fail transiently (see
     #: :meth:`is_transient`): every data-file write of a save and every
     #: exchange-file write.

@@ -1,22 +1,46 @@
 """POSIX / shared-filesystem storage (``file://`` URIs and plain paths).
 
-Data files are written with plain ``write`` calls straight from the tensors'
-memory (no serialization), one file per writer thread, and optionally
-``fsync``-ed.  With ``fsync``, the writeback of every ``WRITEBACK_BYTES`` is
-started as soon as they are written (``posix_fadvise(DONTNEED)``, which on
-Linux starts writeback of dirty pages without waiting for it — what
-``sync_file_range`` does in C), so the disk works while the rest of the file
-is copied and the final ``fsync`` waits only for the tail; on this machine
-that took four parallel 134 MB writes from 0.33 s to 0.23 s (medians of 6;
-2 MiB windows did slightly better than 8 or 32 MiB).  Reads use ``preadv`` into the destination buffers, so a
-resharded load reads only the byte ranges it needs.  Commit is the classic
-atomic publish: temporary file, ``fsync``, ``rename`` (or ``link`` when the
-name must not exist yet), then ``fsync`` of the directory so the new name
-survives a power loss.
+Data files are written straight from the tensors' memory (no serialization),
+one file per writer thread, and optionally ``fsync``-ed.
+
+Direct I/O for aligned memory.  A buffer that starts on a
+:data:`DIRECT_ALIGNMENT` boundary in memory, at an aligned file offset, is
+written with ``O_DIRECT``: from memory to the device, bypassing the page
+cache, so the writer neither copies every byte into the kernel nor leaves
+dirty pages for ``fsync`` to flush (the approach of DeepSpeed's FastPersist,
+arXiv:2406.13768, which writes aligned buffers with direct I/O).  The
+staging buffers of :func:`dcp.async_save` are such memory (chunks of at
+least :data:`dcp.storage.ALIGNED_CHUNK_BYTES` start at page boundaries, and
+the save pads data files so that they start at aligned offsets), which is
+what the background save writes.  Measured here: four processes writing
+128 MiB each from aligned memory with ``fsync`` took 0.32 s direct against
+0.90 s through the page cache (medians of 8, same run); in the async-save
+benchmark at W=4 the save finished in 1.6 s instead of 4.6 s and a CPU-bound
+training loop lost 0.7-0.9 s instead of 3.5-3.9 s while it ran, because a
+DMA costs the cores nothing while a page-cache copy is the writer's work.
+Unaligned memory (a caller's tensors in :func:`dcp.save`) is written
+through the page cache: copying it into aligned bounce buffers measured
+slower than the kernel's own copy.  A filesystem that refuses ``O_DIRECT``
+(``EINVAL``: FUSE mounts, tmpfs before Linux 6.6) turns direct I/O off for
+the plugin, and writes with ``fsync=False`` never use it (the page cache is
+the fast path when durability is not asked for).
+
+Page-cache writes with ``fsync`` start the writeback of every
+``WRITEBACK_BYTES`` as soon as they are written (``posix_fadvise(DONTNEED)``,
+which on Linux starts writeback of dirty pages without waiting for it), so
+the final ``fsync`` waits only for the tail.
+
+Reads use ``preadv`` into the destination buffers (through the page cache,
+which replicas on one host share), so a resharded load reads only the byte
+ranges it needs.  Commit is the classic atomic publish: temporary file,
+``fsync``, ``rename`` (or ``link`` when the name must not exist yet), then
+``fsync`` of the directory so the new name survives a power loss.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -25,6 +49,25 @@ from typing import Iterable, Sequence
 from dcp.storage import StoragePlugin
 
 WRITEBACK_BYTES = 2 << 20  # bytes written before their writeback is started
+#: Direct I/O granularity, in bytes: file offsets, lengths and memory
+#: addresses of direct writes are multiples of it (the page size; a multiple
+#: of every common logical block size).
+DIRECT_ALIGNMENT = 4096
+_MAX_DIRECT_WRITE = 1 << 30  # bytes per direct write call (Linux caps one at ~2 GiB)
+
+
+def _is_aligned(view: memoryview) -> bool:
+    """Whether ``view`` (bytes) starts at a multiple of
+    :data:`DIRECT_ALIGNMENT` in memory; read-only buffers count as not."""
+    if view.readonly or not view:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGNMENT == 0
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 class PosixStorage(StoragePlugin):
@@ -33,15 +76,20 @@ class PosixStorage(StoragePlugin):
     Options: ``thread_count`` (default 4) data files written in parallel per
     rank; ``fsync`` (default True) makes data files durable before the
     metadata commits — turn it off only where losing a checkpoint on power
-    loss is acceptable.
+    loss is acceptable; ``direct_io`` (default True) writes durable data
+    files with ``O_DIRECT`` where the filesystem allows it (see the module
+    docstring).
     """
 
-    def __init__(self, checkpoint_id: str, *, thread_count: int = 4, fsync: bool = True) -> None:
+    def __init__(self, checkpoint_id: str, *, thread_count: int = 4, fsync: bool = True,
+                 direct_io: bool = True) -> None:
         super().__init__(checkpoint_id)
         path = checkpoint_id[len("file://"):] if checkpoint_id.startswith("file://") else checkpoint_id
         self.root = Path(path)
         self.thread_count = max(1, int(thread_count))
         self.fsync = fsync
+        self.direct_io = bool(direct_io) and fsync
+        self.alignment = DIRECT_ALIGNMENT if self.direct_io else 1
 
     def _path(self, name: str) -> Path:
         return self.root / name
@@ -50,20 +98,55 @@ class PosixStorage(StoragePlugin):
         path = self._path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        direct = None  # an O_DIRECT descriptor of the file, opened for the first aligned buffer
         try:
-            written = flushed = 0
+            pos = flushed = 0  # bytes written; start of the bytes whose writeback is not started
             for buf in buffers:
                 view = memoryview(buf).cast("B")
+                if self.direct_io and pos % DIRECT_ALIGNMENT == 0 and _is_aligned(view):
+                    direct = direct if direct is not None else self._open_direct(path)
+                    n = self._write_direct(direct, view, pos)
+                    view, pos = view[n:], pos + n
                 while view:
-                    n = os.write(fd, view[:WRITEBACK_BYTES])
-                    view, written = view[n:], written + n
-                    if self.fsync and written - flushed >= WRITEBACK_BYTES:
-                        os.posix_fadvise(fd, flushed, written - flushed, os.POSIX_FADV_DONTNEED)
-                        flushed = written
+                    n = os.pwrite(fd, view[:WRITEBACK_BYTES], pos)
+                    view, pos = view[n:], pos + n
+                    if self.fsync and pos - flushed >= WRITEBACK_BYTES:
+                        os.posix_fadvise(fd, flushed, pos - flushed, os.POSIX_FADV_DONTNEED)
+                        flushed = pos
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+            if direct is not None and direct >= 0:
+                os.close(direct)
+
+    def _open_direct(self, path: Path) -> int:
+        """An ``O_DIRECT`` write descriptor of ``path``; -1 (and direct I/O
+        off from now on) if the filesystem refuses it."""
+        try:
+            return os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct_io = False
+            return -1
+
+    def _write_direct(self, fd: int, view: memoryview, pos: int) -> int:
+        """Write the whole blocks of ``view`` (aligned) at ``pos`` (aligned)
+        through ``fd``; returns the bytes written (0 if direct I/O is off or
+        the filesystem refuses it, and it is off from now on)."""
+        n = len(view) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+        if fd < 0 or n == 0:
+            return 0
+        try:
+            for start in range(0, n, _MAX_DIRECT_WRITE):
+                _pwrite_all(fd, view[start:min(n, start + _MAX_DIRECT_WRITE)], pos + start)
+        except OSError as e:
+            if e.errno != errno.EINVAL or start:
+                raise
+            self.direct_io = False
+            return 0
+        return n
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         fd = os.open(self._path(name), os.O_RDONLY)

@@ -4,8 +4,13 @@ author's guide."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import importlib.util
+import mmap
+import os
+import random
 import re
 import sys
 from pathlib import Path
@@ -15,7 +20,9 @@ import pytest
 import torch
 
 import dcp
+from dcp import staging
 from dcp.metadata import METADATA_FILE
+from dcp.save import describe_state
 from dcp.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
@@ -105,6 +112,75 @@ def test_memory_checkpoint_is_in_fsspec_memory():
     storage = open_storage(url)
     storage.delete(storage.list_files())
     assert memory.find("/plugins-test/ckpt") == []
+
+
+# ------------------------------------------------------- POSIX direct I/O
+def _aligned(data: bytes) -> memoryview:
+    """``data`` in page-aligned memory (an anonymous mapping)."""
+    buf = mmap.mmap(-1, max(len(data), 1))
+    buf[:len(data)] = data
+    return memoryview(buf)[:len(data)]
+
+
+def _spy_direct_writes(monkeypatch) -> list[int]:
+    """Lengths of the ``pwrite`` calls made through ``O_DIRECT`` descriptors."""
+    direct, pwrite = [], os.pwrite
+
+    def spy(fd, data, offset):
+        n = pwrite(fd, data, offset)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct.append(n)
+        return n
+    monkeypatch.setattr(os, "pwrite", spy)
+    return direct
+
+
+def test_posix_writes_aligned_buffers_with_direct_io(tmp_path, monkeypatch):
+    direct = _spy_direct_writes(monkeypatch)
+    rng = random.Random(0)
+    parts = [_aligned(rng.randbytes(3 * 4096 + 100)),  # 3 blocks direct, 100 bytes buffered
+             rng.randbytes(7),                          # read-only bytes: buffered
+             _aligned(rng.randbytes(8192)),             # aligned memory, unaligned file offset
+             bytes(4096 - (3 * 4096 + 100 + 7 + 8192) % 4096),  # padding to a block
+             _aligned(rng.randbytes(5 * 4096)),         # all direct
+             memoryview(bytearray(rng.randbytes(5000)))[1:]]  # unaligned memory
+    storage = open_storage(str(tmp_path))
+    assert (storage.direct_io, storage.alignment) == (True, 4096)
+    storage.write_file("f.data", parts)
+    assert (tmp_path / "f.data").read_bytes() == b"".join(bytes(p) for p in parts)
+    assert sum(direct) == 8 * 4096
+    assert not open_storage(str(tmp_path), direct_io=False).direct_io
+    assert open_storage(str(tmp_path), fsync=False).alignment == 1  # the page cache is faster then
+
+
+def test_posix_falls_back_to_the_page_cache_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # a filesystem without O_DIRECT (older tmpfs, FUSE)
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(os, "open", refusing_open)
+    storage = open_storage(str(tmp_path))
+    data = random.Random(1).randbytes(4 * 4096 + 3)
+    storage.write_file("f.data", [_aligned(data)])
+    assert (tmp_path / "f.data").read_bytes() == data and not storage.direct_io
+
+
+def test_large_chunks_start_at_aligned_offsets_in_files_and_staging(tmp_path):
+    state = {"small": torch.arange(3, dtype=torch.int8),
+             "big": random_tensor(((1 << 18) + 5,), seed=3),        # 1 MiB + 20 bytes
+             "big2": random_tensor((1 << 18,), torch.float32, seed=4)}
+    md = dcp.save(state, str(tmp_path / "ck"), storage_options={"thread_count": 1})  # one file
+    offsets = {fqn: t.chunks[0].byte_offset for fqn, t in md.tensors.items()}
+    assert offsets["big"] % 4096 == 0 and offsets["big2"] % 4096 == 0
+    assert sum(c.nbytes for t in md.tensors.values() for c in t.chunks) == 3 + 2 * (1 << 20) + 20
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, str(tmp_path / "ck"))
+    for k in state:
+        assert_bitwise_equal(target[k], state[k])
+    staged = staging._specs(describe_state(state, False))
+    assert [s.byte_offset % 4096 for s in staged if s.nbytes >= (1 << 20)] == [0, 0]
 
 
 # ----------------------------------------------------------------- shm://
