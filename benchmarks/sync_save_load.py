@@ -255,6 +255,8 @@ def _worker(
 
         for step, layout in enumerate(source_layouts):
             for system in order(step):
+                if getattr(system, "floor", False) and layout not in {LOADS[s][0] for s in loads}:
+                    continue  # the floor saves only what its loads read
                 if rank == 0:
                     os.sync()  # no earlier writeback running during the save
                 m = timed_collective(lambda: system.save(sources[layout], path(system, layout)))

@@ -90,8 +90,9 @@ class ReadFloor(HyperDCP):
             fds = {}
             try:
                 for p, offset, length in pieces[k::4]:
-                    fd = fds.get(p) or fds.setdefault(p, os.open(p, os.O_RDONLY))
-                    os.preadv(fd, [memoryview(buffers[k])[:length]], offset)
+                    if p not in fds:
+                        fds[p] = os.open(p, os.O_RDONLY)
+                    os.preadv(fds[p], [memoryview(buffers[k])[:length]], offset)
             finally:
                 for fd in fds.values():
                     os.close(fd)

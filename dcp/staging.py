@@ -166,7 +166,12 @@ class Stager:
 
     def _allocate(self, specs: list[ChunkSpec]) -> None:
         end = specs[-1].byte_offset + specs[-1].nbytes if specs else 0
-        buffer = torch.empty(end, dtype=torch.uint8).share_memory_()
+        # a page more than needed, so that offsets count from a page boundary
+        # whatever header the allocator puts first (torch's "file_system"
+        # sharing strategy starts the data 64 bytes into the mapping)
+        shared = torch.empty(end + PAGE, dtype=torch.uint8).share_memory_()
+        shift = -shared.data_ptr() % PAGE
+        buffer = shared[shift:shift + end]
         if any(s.device == "cuda" for s in specs):
             _page_lock(buffer)
         self.layout = Layout(buffer, specs)

@@ -54,9 +54,9 @@ class StoragePlugin(abc.ABC):
     plugin's own settings (``storage_options`` of the public API).
     ``thread_count`` is how many data files a rank writes (and reads) in
     parallel.  ``alignment`` (bytes) is where large chunks should start in
-    a data file for the plugin's fastest write path: the save pads each
-    chunk of at least :data:`ALIGNED_CHUNK_BYTES` to a multiple of it (1:
-    no padding).
+    a data file for the plugin's fastest write path: the save pads before
+    each chunk of at least :data:`ALIGNED_CHUNK_BYTES` so that it starts at a
+    multiple of it (1: no padding).
     """
 
     thread_count: int = 1

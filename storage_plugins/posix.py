@@ -50,9 +50,12 @@ from dcp.storage import StoragePlugin
 
 WRITEBACK_BYTES = 2 << 20  # bytes written before their writeback is started
 #: Direct I/O granularity, in bytes: file offsets, lengths and memory
-#: addresses of direct writes are multiples of it (the page size; a multiple
-#: of every common logical block size).
+#: addresses of direct writes are multiples of it (a multiple of every
+#: common logical block size; where pages are larger, the kernel keeps the
+#: page cache coherent with direct writes, so correctness never depends on it).
 DIRECT_ALIGNMENT = 4096
+#: What a filesystem that does not do ``O_DIRECT`` answers.
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
 _MAX_DIRECT_WRITE = 1 << 30  # bytes per direct write call (Linux caps one at ~2 GiB)
 
 
@@ -64,10 +67,6 @@ def _is_aligned(view: memoryview) -> bool:
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGNMENT == 0
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class PosixStorage(StoragePlugin):
@@ -98,27 +97,32 @@ class PosixStorage(StoragePlugin):
         path = self._path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        direct = None  # an O_DIRECT descriptor of the file, opened for the first aligned buffer
+        direct = None  # an O_DIRECT descriptor of the file, opened for the first aligned block
         try:
             pos = flushed = 0  # bytes written; start of the bytes whose writeback is not started
             for buf in buffers:
                 view = memoryview(buf).cast("B")
-                if self.direct_io and pos % DIRECT_ALIGNMENT == 0 and _is_aligned(view):
+                if self.direct_io and pos % DIRECT_ALIGNMENT == 0 \
+                        and len(view) >= DIRECT_ALIGNMENT and _is_aligned(view):
                     direct = direct if direct is not None else self._open_direct(path)
                     n = self._write_direct(direct, view, pos)
                     view, pos = view[n:], pos + n
                 while view:
                     n = os.pwrite(fd, view[:WRITEBACK_BYTES], pos)
+                    if n == 0:
+                        raise OSError(errno.EIO, f"{path}: write made no progress at byte {pos}")
                     view, pos = view[n:], pos + n
                     if self.fsync and pos - flushed >= WRITEBACK_BYTES:
                         os.posix_fadvise(fd, flushed, pos - flushed, os.POSIX_FADV_DONTNEED)
                         flushed = pos
             if self.fsync:
-                os.fsync(fd)
+                os.fsync(fd)  # makes the direct writes durable too (fsync is per file)
         finally:
-            os.close(fd)
-            if direct is not None and direct >= 0:
-                os.close(direct)
+            try:
+                os.close(fd)
+            finally:
+                if direct is not None and direct >= 0:
+                    os.close(direct)
 
     def _open_direct(self, path: Path) -> int:
         """An ``O_DIRECT`` write descriptor of ``path``; -1 (and direct I/O
@@ -126,27 +130,31 @@ class PosixStorage(StoragePlugin):
         try:
             return os.open(path, os.O_WRONLY | os.O_DIRECT)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _REFUSED:
                 raise
             self.direct_io = False
             return -1
 
     def _write_direct(self, fd: int, view: memoryview, pos: int) -> int:
-        """Write the whole blocks of ``view`` (aligned) at ``pos`` (aligned)
-        through ``fd``; returns the bytes written (0 if direct I/O is off or
-        the filesystem refuses it, and it is off from now on)."""
-        n = len(view) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
-        if fd < 0 or n == 0:
-            return 0
-        try:
-            for start in range(0, n, _MAX_DIRECT_WRITE):
-                _pwrite_all(fd, view[start:min(n, start + _MAX_DIRECT_WRITE)], pos + start)
-        except OSError as e:
-            if e.errno != errno.EINVAL or start:
-                raise
-            self.direct_io = False
-            return 0
-        return n
+        """Write whole blocks of ``view`` (aligned) at ``pos`` (aligned)
+        through ``fd``; returns the bytes written, the rest being left to
+        the page cache: 0 if the filesystem refuses direct I/O (then off
+        from now on), less than all if a write came back short (as near a
+        full disk), so that the page cache finishes and reports the error."""
+        blocks = len(view) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
+        done = 0
+        while fd >= 0 and done < blocks:
+            try:
+                n = os.pwrite(fd, view[done:min(blocks, done + _MAX_DIRECT_WRITE)], pos + done)
+            except OSError as e:
+                if done or e.errno not in _REFUSED:
+                    raise
+                self.direct_io = False
+                break
+            done += n
+            if n == 0 or n % DIRECT_ALIGNMENT:
+                break
+        return done
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         fd = os.open(self._path(name), os.O_RDONLY)

@@ -135,7 +135,17 @@ def _spy_direct_writes(monkeypatch) -> list[int]:
     return direct
 
 
+def _o_direct_works(directory: Path) -> bool:
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:  # this filesystem has no O_DIRECT
+        return False
+
+
 def test_posix_writes_aligned_buffers_with_direct_io(tmp_path, monkeypatch):
+    if not _o_direct_works(tmp_path):
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
     direct = _spy_direct_writes(monkeypatch)
     rng = random.Random(0)
     parts = [_aligned(rng.randbytes(3 * 4096 + 100)),  # 3 blocks direct, 100 bytes buffered
@@ -150,7 +160,11 @@ def test_posix_writes_aligned_buffers_with_direct_io(tmp_path, monkeypatch):
     assert (tmp_path / "f.data").read_bytes() == b"".join(bytes(p) for p in parts)
     assert sum(direct) == 8 * 4096
     assert not open_storage(str(tmp_path), direct_io=False).direct_io
-    assert open_storage(str(tmp_path), fsync=False).alignment == 1  # the page cache is faster then
+    unsynced = open_storage(str(tmp_path), fsync=False)  # the page cache is faster then
+    assert (unsynced.direct_io, unsynced.alignment) == (False, 1)
+    unsynced.write_file("g.data", parts)
+    assert (tmp_path / "g.data").read_bytes() == b"".join(bytes(p) for p in parts)
+    assert sum(direct) == 8 * 4096
 
 
 def test_posix_falls_back_to_the_page_cache_where_o_direct_is_refused(tmp_path, monkeypatch):
@@ -165,6 +179,36 @@ def test_posix_falls_back_to_the_page_cache_where_o_direct_is_refused(tmp_path, 
     data = random.Random(1).randbytes(4 * 4096 + 3)
     storage.write_file("f.data", [_aligned(data)])
     assert (tmp_path / "f.data").read_bytes() == data and not storage.direct_io
+
+
+def test_posix_falls_back_when_the_first_direct_write_is_refused(tmp_path, monkeypatch):
+    pwrite = os.pwrite
+
+    def refusing_pwrite(fd, data, offset):  # O_DIRECT opens, then writes fail (some FUSE mounts)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    storage = open_storage(str(tmp_path))
+    data = random.Random(2).randbytes(3 * 4096 + 5)
+    storage.write_file("f.data", [_aligned(data), b"tail"])
+    assert (tmp_path / "f.data").read_bytes() == data + b"tail" and not storage.direct_io
+
+
+def test_staged_large_chunks_are_page_aligned_whatever_the_sharing_strategy():
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    state = describe_state({"a": torch.ones(3), "b": random_tensor((1 << 18,), seed=5),
+                            "c": random_tensor((1 << 18,), seed=6)}, False)
+    try:
+        for name in ("file_system", "file_descriptor"):
+            torch.multiprocessing.set_sharing_strategy(name)
+            layout, _ = staging.Stager().stage(state, blocking=True)
+            views = layout.views()
+            assert [v.data_ptr() % 4096 for v in views[1:]] == [0, 0], name
+            for view, chunk in zip(views, state.chunks.values()):
+                assert_bitwise_equal(view, chunk.data)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 def test_large_chunks_start_at_aligned_offsets_in_files_and_staging(tmp_path):
