@@ -27,7 +27,12 @@ THREAD) and ``torch-process`` (PROCESS, with its shared-memory
 ``DefaultStager``).  The floor, ``memcpy``, is a ``Tensor.copy_`` of the
 rank's bytes into preallocated buffers, measured right before every save
 (conditions drift over a run: memory in use, page cache); ``stall ×
-memcpy`` is the median of the per-save ratios.
+memcpy`` is the median over saves of the slowest rank's stall over the
+slowest rank's memcpy, both of that save.  (A per-rank ratio would compare a
+rank's stall with its own memcpy at another moment: with more ranks than
+cores, one rank gets a core to itself for one copy and shares it for the
+other, and its ratio swings 0.5-2.3 from save to save; the slowest rank is
+also when training can go on.)
 
 ``run(out_dir)`` runs it and returns the rows (also written to
 ``out_dir/async_save.json``); ``python -m benchmarks.async_save`` prints them
@@ -190,9 +195,11 @@ def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: 
             planning = wait()
             total = time.perf_counter() - start
             base = (before + trainer.step_time(kind)) / 2
+            slowest = torch.tensor([stall, floor_s], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # after the save: nothing timed waits
             samples.append(dict(kind=kind, stall=stall, total=total, planning=planning,
                                 lost=max(0.0, busy - steps * base), busy=busy, floor=floor_s,
-                                ratio=stall / floor_s))
+                                ratio=float(slowest[0] / slowest[1])))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
