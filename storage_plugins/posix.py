@@ -21,8 +21,8 @@ DMA costs the cores nothing while a page-cache copy is the writer's work.
 Unaligned memory (a caller's tensors in :func:`dcp.save`) is written
 through the page cache: copying it into aligned bounce buffers measured
 slower than the kernel's own copy.  A filesystem that refuses ``O_DIRECT``
-(``EINVAL``: FUSE mounts, tmpfs before Linux 6.6) turns direct I/O off for
-the plugin, and writes with ``fsync=False`` never use it (the page cache is
+(``EINVAL`` or ``EOPNOTSUPP``: some FUSE mounts, older tmpfs) turns direct
+I/O off for the plugin, and writes with ``fsync=False`` never use it (the page cache is
 the fast path when durability is not asked for).
 
 Page-cache writes with ``fsync`` start the writeback of every
@@ -65,8 +65,6 @@ def _is_aligned(view: memoryview) -> bool:
     if view.readonly or not view:
         return False
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGNMENT == 0
-
-
 
 
 class PosixStorage(StoragePlugin):
