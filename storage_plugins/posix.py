@@ -22,8 +22,8 @@ Unaligned memory (a caller's tensors in :func:`dcp.save`) is written
 through the page cache: copying it into aligned bounce buffers measured
 slower than the kernel's own copy.  A filesystem that refuses ``O_DIRECT``
 (``EINVAL`` or ``EOPNOTSUPP``: some FUSE mounts, older tmpfs) turns direct
-I/O off for the plugin, and writes with ``fsync=False`` never use it (the page cache is
-the fast path when durability is not asked for).
+I/O off for the plugin, and writes with ``fsync=False`` never use it (the
+page cache is the fast path when durability is not asked for).
 
 Page-cache writes with ``fsync`` start the writeback of every
 ``WRITEBACK_BYTES`` as soon as they are written (``posix_fadvise(DONTNEED)``,
