@@ -62,11 +62,7 @@ def write_chart(path: Path, rows: list[Row], tables: dict[str, list[dict]]) -> P
                                ("metadata_decode_s", "metadata decode"),
                                ("load_local_plan_s", "one rank's load plan")):
                 ax.plot(ranks, [r[key] for r in table], marker="o", label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("ranks")
-            ax.set_ylabel("seconds (median)")
-            ax.set_title("hyperdcp planning and metadata at scale")
-            ax.legend(fontsize=7)
+            _over_ranks(ax, "seconds (median)", "hyperdcp planning and metadata at scale")
         panels.append(scale)
     if tables.get("coordination"):
         def coordination(ax, table=tables["coordination"]):
@@ -75,11 +71,7 @@ def write_chart(path: Path, rows: list[Row], tables: dict[str, list[dict]]) -> P
                 for step in ("plans", "results"):
                     ax.plot([r["ranks"] for r in mine], [r[f"{step}_critical_s"] for r in mine],
                             marker="o", label=f"{transport}: {step}")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("ranks")
-            ax.set_ylabel("critical path seconds (median)")
-            ax.set_title("coordination of one save")
-            ax.legend(fontsize=7)
+            _over_ranks(ax, "critical path seconds (median)", "coordination of one save")
         panels.append(coordination)
     if not panels:
         return None
@@ -90,3 +82,12 @@ def write_chart(path: Path, rows: list[Row], tables: dict[str, list[dict]]) -> P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _over_ranks(ax, ylabel: str, title: str) -> None:
+    """Axes of a curve over rank counts (log2 x axis), with its legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)

@@ -238,6 +238,15 @@ def summarize(runs: list[dict]) -> dict:
     return row
 
 
+def median_range(row: dict, key: str, spec: str = ".3f") -> str:
+    """A :func:`summarize`d value as ``median (min–max)``; ``–`` if the row
+    lacks it."""
+    if key not in row:
+        return "–"
+    lo, hi = row.get(f"{key}_range", (row[key], row[key]))
+    return f"{row[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
+
+
 def write_rows(rows: list[dict], out_dir: str | os.PathLike, name: str) -> None:
     """``rows`` as ``out_dir/name.json``."""
     out = Path(out_dir)

@@ -41,7 +41,7 @@ from dcp.save import WriteResult, build_metadata
 from planners.save import DefaultSavePlanner
 from storage_plugins.posix import PosixStorage
 
-from .common import launch, summarize, write_rows
+from .common import launch, median_range, summarize, write_rows
 from .scale import Layout, local_plans, simulated_write_results
 
 TIMEOUT_S = 600.0
@@ -238,12 +238,6 @@ def run(out_dir, *, ranks=(64, 128, 256, 512), gloo=(2, 4, 8), repeat: int = 3,
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
-    def cell(r, key):
-        if key not in r:
-            return "–"
-        lo, hi = r.get(f"{key}_range", (r[key], r[key]))
-        return f"{r[key]:.3f} ({lo:.3f}–{hi:.3f})"
-
     lines = ["| transport | ranks | plans: critical path s | plans: coordinator s | planning s | "
              "results: critical path s | results: coordinator s | metadata s | "
              "files read per step: coordinator / other rank | payload KB per rank |",
@@ -253,9 +247,9 @@ def markdown(rows: list[dict]) -> str:
                  if "coordinator_reads_per_step" in r else "–")
         size = f"{r['payload_bytes_per_rank'] / 1e3:.0f}" if "payload_bytes_per_rank" in r else "–"
         lines.append(
-            f"| {r['transport']} | {r['ranks']} | {cell(r, 'plans_critical_s')} | "
-            f"{cell(r, 'plans_coordinator_s')} | {r['plans_compute_s']:.3f} | "
-            f"{cell(r, 'results_critical_s')} | {cell(r, 'results_coordinator_s')} | "
+            f"| {r['transport']} | {r['ranks']} | {median_range(r, 'plans_critical_s')} | "
+            f"{median_range(r, 'plans_coordinator_s')} | {r['plans_compute_s']:.3f} | "
+            f"{median_range(r, 'results_critical_s')} | {median_range(r, 'results_coordinator_s')} | "
             f"{r['results_compute_s']:.3f} | {reads} | {size} |")
     return "\n".join(lines)
 

@@ -30,7 +30,7 @@ from dcp.save import WriteResult, build_metadata
 from planners.load import DefaultLoadPlanner
 from planners.save import DefaultSavePlanner
 
-from .common import summarize, write_rows
+from .common import median_range, summarize, write_rows
 from .report import TargetResult
 
 HIDDEN, LAYERS, VOCAB = 20480, 96, 128000
@@ -236,10 +236,6 @@ def run(out_dir, *, ranks=(1024, 4096, 10240, 16384), repeat: int = 3,
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table (seconds: median (min–max))."""
-    def s(r, key, spec=".2f"):
-        lo, hi = r.get(f"{key}_range", (r[key], r[key]))
-        return f"{r[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
-
     lines = ["| ranks | local plan items | chunks | global save plan s | write max/mean "
              "(layout's best) | metadata MB | build+encode s | decode s | one rank's load plan "
              "(TP4, DP×2) s | read max/mean (one stage) |",
@@ -247,10 +243,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['ranks']:,} | {r['local_plan_items']:,} | {r['chunks']:,} | "
-            f"{s(r, 'global_plan_s')} | {r['write_max_over_mean']:.3f} "
+            f"{median_range(r, 'global_plan_s', '.2f')} | {r['write_max_over_mean']:.3f} "
             f"({r['write_best_max_over_mean']:.3f}) | {r['metadata_mb']:.2f} | "
-            f"{s(r, 'metadata_build_encode_s')} | {s(r, 'metadata_decode_s', '.3f')} | "
-            f"{s(r, 'load_local_plan_s', '.3f')} | {r['read_max_over_mean']:.3f} |")
+            f"{median_range(r, 'metadata_build_encode_s', '.2f')} | {median_range(r, 'metadata_decode_s')} | "
+            f"{median_range(r, 'load_local_plan_s')} | {r['read_max_over_mean']:.3f} |")
     return "\n".join(lines)
 
 
