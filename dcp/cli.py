@@ -57,9 +57,11 @@ from dcp.verify import verify
 EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
 
+FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
+
+
 class UsageError(CheckpointError):
     """A malformed command line (exit code 2)."""
-FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
 
 
 def _options(pairs: list[str]) -> dict[str | None, dict]:

@@ -292,7 +292,7 @@ class _Load:
             offsets, sizes, buf, direct, check = chunk.offsets, chunk.sizes, None, False, True
             # the chunk's last byte first: crafted metadata declaring a huge
             # chunk fails here, before a buffer of its size is allocated
-            self._fetch(item.fqn, chunk, [(chunk.byte_offset + chunk.nbytes - 1, memoryview(bytearray(1)))])
+            self._fetch(item.fqn, chunk, chunk.last_byte())
         else:
             offsets, sizes, check = item.offsets, item.sizes, whole and self.verify != "none"
             direct = tensors.is_direct_target(dest, saved.dtype)

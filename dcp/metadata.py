@@ -77,6 +77,12 @@ class ChunkMeta:
     checksum: int | None
     rank: int
 
+    def last_byte(self) -> list[tuple[int, memoryview]]:
+        """``read_ranges`` ranges reading only the chunk's last byte: read
+        first, it proves the file holds the whole chunk before a buffer of
+        the declared size is allocated (crafted metadata)."""
+        return [(self.byte_offset + self.nbytes - 1, memoryview(bytearray(1)))]
+
 
 class TensorMeta:
     """Global ``shape`` and ``dtype`` name of one tensor and its saved chunks.
@@ -100,6 +106,16 @@ class TensorMeta:
         meta = cls(shape, dtype)
         meta._chunks, meta._table = None, table
         return meta
+
+    def check_coverage(self, fqn: str, where: str) -> None:
+        """Raise :class:`CorruptCheckpointError` naming ``where`` and
+        ``fqn`` unless the chunks hold exactly as many elements as the
+        shape (damaged or crafted metadata)."""
+        held = sum(math.prod(c.sizes) for c in self.chunks)
+        if held != math.prod(self.shape):
+            raise CorruptCheckpointError(
+                f"{where}: {fqn!r} has shape {list(self.shape)} ({math.prod(self.shape)} "
+                f"elements) but its chunks hold {held}")
 
     @property
     def chunks(self) -> list[ChunkMeta]:

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from dcp import tensors
-from dcp.boxes import byte_runs, volume
+from dcp.boxes import byte_runs
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, BlobRef, ChunkMeta, Metadata,
                           ObjectMeta, TensorMeta, checksum)
@@ -104,15 +104,11 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
             read fails (missing or short file), a checksum does not match, or
             the chunks do not cover the tensor.
     """
-    covered = sum(volume(chunk.sizes) for chunk in meta.chunks)
-    if covered != volume(meta.shape):
-        raise CorruptCheckpointError(
-            f"{fqn!r}: its chunks cover {covered} of its {volume(meta.shape)} elements")
+    meta.check_coverage(fqn, storage.checkpoint_id)
     for chunk in meta.chunks:  # every chunk's last byte first: no allocation for crafted sizes
         if chunk.nbytes:
             try:
-                storage.read_ranges(chunk.file, [(chunk.byte_offset + chunk.nbytes - 1,
-                                                  memoryview(bytearray(1)))])
+                storage.read_ranges(chunk.file, chunk.last_byte())
             except Exception as e:
                 raise CorruptCheckpointError(
                     f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dcp.boxes import volume
-from dcp.errors import CorruptCheckpointError
 from dcp.load import read_metadata
 from dcp.metadata import METADATA_FILE, Metadata, checksum
 from dcp.storage import StoragePlugin, open_storage
@@ -144,11 +142,7 @@ def verify(checkpoint_id: str, *, storage: StoragePlugin | None = None,
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     md = read_metadata(str(checkpoint_id), storage=storage)
     for fqn, meta in md.tensors.items():
-        held = sum(volume(c.sizes) for c in meta.chunks)
-        if held != volume(meta.shape):
-            raise CorruptCheckpointError(
-                f"{checkpoint_id}/{METADATA_FILE}: {fqn!r} has shape {list(meta.shape)} "
-                f"({volume(meta.shape)} elements) but its chunks hold {held}")
+        meta.check_coverage(fqn, f"{checkpoint_id}/{METADATA_FILE}")
     by_file = _pieces(md)
     total = sum(p.nbytes for pieces in by_file.values() for p in pieces)
     report = VerifyReport()
