@@ -63,7 +63,7 @@ from dcp import pending
 from dcp.errors import CheckpointError
 from dcp.gc_pause import gc_paused
 from dcp.metadata import Metadata
-from dcp.plan_cache import CacheEntry
+from dcp.plan_cache import PlanCache
 from dcp.planner import SavePlanner
 from dcp.save import describe_state
 from dcp.staging import Layout, Stager
@@ -197,7 +197,7 @@ class _Saver:
         self.stager = Stager()
         self.worker: WorkerHandle | None = None
         self.worker_layout: Layout | None = None
-        self.plan_entry: CacheEntry | None = None  # the plan cache, for a new worker
+        self.plans = PlanCache()  # a copy of the worker's, for a new worker
         self.seq = 0
         self.counters = AsyncSaveCounters()
 
@@ -240,7 +240,7 @@ class _Saver:
             overwrite=options.overwrite,
             json_values=state.json_values if state else {}, pickled=state.pickled if state else {},
             rank=self.rank, world_size=self.world_size, timeout=options.timeout,
-            rendezvous=rendezvous, layout=layout, plan_entry=None, error=error)
+            rendezvous=rendezvous, layout=layout, plan_entries=[], error=error)
         stall = time.perf_counter() - start
         threading.Thread(target=self._persist, args=(job, response, stall, finish),
                          name="dcp-async-save", daemon=True).start()
@@ -258,9 +258,9 @@ class _Saver:
             outcome = Outcome(job.seq, error=_as_error(e, self.rank, "async save"))
         if job.coordination != "none":  # the outcome of a coordinated save is every rank's
             if outcome.error is not None:
-                self.plan_entry = None
+                self.plans.entries.clear()
             elif outcome.exchanged:
-                self.plan_entry = outcome.plan_entry
+                self.plans.add(outcome.plan_entry)
         c = self.counters
         self.counters = replace(
             c, saves=c.saves + 1, failures=c.failures + (outcome.error is not None),
@@ -280,7 +280,7 @@ class _Saver:
         staging buffer only if this worker lacks it) and wait for its outcome."""
         if self.worker is None:
             self.worker, self.worker_layout = WorkerHandle(), None
-            job = replace(job, plan_entry=self.plan_entry)
+            job = replace(job, plan_entries=list(self.plans.entries.values()))
         layout = job.layout
         if layout is self.worker_layout:
             job = replace(job, layout=None)

@@ -211,6 +211,13 @@ class Coordinator(CoordinatorBase):
         else:
             self.rank, self.world_size = 0, 1
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The global ranks of the group (``(0,)`` without torch.distributed)."""
+        if not self.distributed:
+            return (0,)
+        return tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+
     def _gather(self, step, phase, obj):
         if not self.distributed:
             return [obj]

@@ -1,4 +1,4 @@
-"""Reusing the save plan while the state dict's structure stays the same.
+"""Reusing save plans while the state dict's structure stays the same.
 
 The key of a rank's plan is a SHA-256 over everything that shapes it: every
 chunk's fqn, global shape, dtype, offsets and sizes (in state-dict order),
@@ -6,128 +6,176 @@ the world size, the rank, and the planner (class and attributes).  Keying by
 fqns alone, as the reference design does, reuses a stale plan after a
 resharding that keeps the names; here any change of layout misses.
 
+A cache holds the plans of up to :data:`MAX_ENTRIES` structures (a job may
+save a model and, less often, a larger state with its optimizer; a
+benchmark alternates layouts), each marked with the *token* of the exchange
+that made it: the id of the save that exchanged its local plans, the same
+on every rank.
+
 A save with the cache runs as *one* step when every rank hits: each rank
-checks its key locally (no communication), writes the chunks its cached
-final plan gives it, and sends the coordinator its key and write results;
-the coordinator checks every key against the ones its plan was made from and
-commits.  A rank that misses sends its local plan instead, in the same step.
-If any rank missed (or a key does not match), the coordinator plans afresh
-from the new local plans and its cached local plans of the ranks that hit,
-answers each rank its final plan (ranks that wrote speculatively delete
-those files) and the save goes on as uncached: a changed layout on some ranks
-costs one exchange, never a stale plan.  Any failure drops the cache (on
-every rank, since failures reach every rank), so the next save exchanges.
+looks its key up locally (no communication), writes the chunks its cached
+final plan gives it, and sends the coordinator its key, its entry's token
+and its write results; the coordinator checks that every key is the one its
+own entry was planned with and every token is its entry's (so no rank
+writes by a plan made for another structure of the others), and commits.
+When every rank misses, they send their local plans in that same step and
+the save goes on as an uncached one.  When some hit and some miss (a layout
+changed on some ranks), the coordinator asks all for their local plans in a
+second step; ranks that wrote speculatively delete those files first.  A
+changed layout costs an exchange, never a stale plan.  Any failure empties
+the cache (on every rank, since failures reach every rank), so the next save
+exchanges.
+
+Save ids: a caller may name the save (the async saver does:
+``<job token><save number>``).  Otherwise an exchange save gets a fresh
+random id ``<8 hex digits>00000000`` and the ``n``-th cached save of the same
+entry ``<those 8 digits><n as 8 hex digits>``: unique, and the same on every
+rank with no exchange.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from dcp.coordination import PerRank
-from dcp.errors import CheckpointError
 from dcp.metadata import Metadata
 from dcp.planner import SavePlan, SavePlanner, TensorDecl
-from dcp.save import SaveState, _Save
+
+#: The most structures one cache keeps plans for; the least recently used
+#: goes first.
+MAX_ENTRIES = 8
 
 
-def structure_key(state: SaveState, world_size: int, rank: int, planner: SavePlanner) -> str:
-    """The hex digest of everything that shapes this rank's plan."""
+def structure_key(chunks: dict, world_size: int, rank: int, planner: SavePlanner) -> str:
+    """The hex digest of everything that shapes this rank's plan;
+    ``chunks`` maps ``(fqn, offsets)`` to the rank's local chunks
+    (``SaveState.chunks``)."""
     settings = sorted(getattr(planner, "__dict__", {}).items())
     digest = hashlib.sha256(repr((world_size, rank, type(planner).__module__,
                                   type(planner).__qualname__, settings)).encode())
-    for (fqn, offsets), chunk in state.chunks.items():
+    for (fqn, offsets), chunk in chunks.items():
         digest.update(repr((fqn, chunk.global_shape, chunk.dtype, offsets, chunk.sizes)).encode())
     return digest.hexdigest()
 
 
 @dataclass
 class CacheEntry:
-    """The cached plan: this rank's key and final plan; on the coordinator
-    also every rank's key and local plan, and the tensor declarations."""
+    """One cached plan: this rank's ``key`` and final ``plan``, the
+    ``token`` of the exchange that made it and how many ``saves`` reused
+    it; on the coordinator also every rank's key and the tensor
+    declarations."""
 
     key: str
     plan: SavePlan
+    token: str
+    saves: int = 0
     keys: list[str] | None = None
-    local_plans: list[SavePlan] | None = None
     decls: dict[str, TensorDecl] | None = None
+
+    def next_id(self) -> str:
+        """The id of the next save that reuses this plan."""
+        return f"{self.token[:8]}{self.saves + 1:08x}"
 
 
 @dataclass
 class CachedSaveResult:
     """What :meth:`PlanCache.save` did: the committed ``metadata``; whether
-    plans were exchanged (``exchanged``, and then the cache holds a new
-    entry); ``planning_s``, the seconds spent deciding the plan (the key
-    check on a hit; the planning step on a miss)."""
+    plans were exchanged (``exchanged``, and then ``entry`` is the new
+    cache entry); ``planning_s``, the seconds spent deciding the plan (the
+    key check on a hit; the planning steps on a miss)."""
 
     metadata: Metadata
     exchanged: bool
     planning_s: float
+    entry: CacheEntry | None = None
 
 
 class PlanCache:
-    """The cached plan of one rank for the saves of one group: ``entry``,
-    ``None`` when empty.  The entry is plain data, so a process can hand it
-    to another (the trainer keeps a copy for the next worker)."""
+    """The cached plans of one rank for the saves of one group, by key
+    (least recently used first).  Entries are plain data, so a process can
+    hand them to another (the trainer keeps copies for the next worker)."""
 
     def __init__(self) -> None:
-        self.entry: CacheEntry | None = None
+        self.entries: OrderedDict[str, CacheEntry] = OrderedDict()
 
-    def save(self, job: _Save, save_id: str) -> CachedSaveResult:
-        """Run ``job`` (not yet started) with the cache, as save ``save_id``.
+    def add(self, entry: CacheEntry) -> None:
+        """Keep ``entry`` (replacing the one of its key), dropping the least
+        recently used beyond :data:`MAX_ENTRIES`."""
+        self.entries[entry.key] = entry
+        self.entries.move_to_end(entry.key)
+        while len(self.entries) > MAX_ENTRIES:
+            self.entries.popitem(last=False)
+
+    def save(self, job, save_id: str | None = None) -> CachedSaveResult:
+        """Run ``job`` (a :class:`dcp.save._Save` not yet started) with the
+        cache, as save ``save_id`` (by default named as in the module doc).
 
         Raises :class:`CheckpointError` on every rank if the save fails; the
-        cache is dropped then and the files this rank wrote are deleted
-        (:meth:`_Save.discard`).
+        cache is emptied then and the files this rank wrote are deleted
+        (``job.discard()``).
         """
         try:
             return self._save(job, save_id)
         except Exception:  # any failure, a transport timeout included: clean up, re-raise
-            self.entry = None
+            self.entries.clear()
             job.discard()
             raise
 
-    def _save(self, job: _Save, save_id: str) -> CachedSaveResult:
+    def _save(self, job, save_id: str | None) -> CachedSaveResult:
         start = time.perf_counter()
-        coord, cached = job.coord, self.entry
-        mine = {"planning_s": 0.0}
+        coord = job.coord
+        mine: dict = {"planning_s": 0.0}
 
         def local():
             offered = job.offered()
-            key = structure_key(job.state, coord.world_size, coord.rank, job.planner)
-            mine["key"] = key
-            if cached is not None and cached.key == key:
-                mine["planning_s"] = time.perf_counter() - start
-                return "written", key, job.write(save_id, cached.plan)
-            return "plan", key, job.planner.create_local_plan(offered)
+            key = structure_key(job.state.chunks, coord.world_size, coord.rank, job.planner)
+            entry = self.entries.get(key)
+            mine.update(key=key, offered=offered, entry=entry)
+            if entry is None:
+                return "plan", key, None, job.planner.create_local_plan(offered)
+            name = save_id or entry.next_id()
+            mine["planning_s"] = time.perf_counter() - start
+            return "written", key, (entry.token, name), job.write(name, entry.plan)
 
-        def decide(parts: list[tuple[str, str, object]]):
-            keys = [key for _, key, _ in parts]
-            if cached is not None and cached.keys == keys and all(k == "written" for k, _, _ in parts):
-                job.decls = cached.decls
-                return job.commit(save_id, [result for _, _, result in parts])
-            local_plans = []
-            for rank, (kind, key, payload) in enumerate(parts):
-                if kind == "plan":
-                    local_plans.append(payload)
-                elif cached is not None and cached.keys is not None and cached.keys[rank] == key:
-                    local_plans.append(cached.local_plans[rank])
-                else:
-                    raise CheckpointError(
-                        f"rank {rank} used a cached save plan that the coordinator does not hold")
-            final = job.global_plan(local_plans)
-            mine.update(keys=keys, local_plans=local_plans, decls=dict(job.decls))
-            return PerRank([("plan", plan) for plan in final])
+        def plan_all(plans: list[SavePlan]) -> PerRank:
+            name = save_id or f"{uuid.uuid4().hex[:8]}{0:08x}"
+            final = job.global_plan(plans)
+            mine.update(decls=dict(job.decls))
+            return PerRank([(name, plan) for plan in final])
+
+        def decide(parts: list[tuple[str, str, tuple | None, object]]):
+            keys = [key for _, key, _, _ in parts]
+            mine["keys"] = keys
+            own = mine["entry"]
+            if (own is not None and own.keys == keys
+                    and all(kind == "written" and marks == parts[0][2] for kind, _, marks, _ in parts)):
+                job.decls = own.decls
+                job.check_target()
+                return job.commit(parts[0][2][1], [result for _, _, _, result in parts])
+            if all(kind == "plan" for kind, _, _, _ in parts):
+                return plan_all([plan for _, _, _, plan in parts])
+            return "replan"
 
         answer = coord.step("save (planning or cached writing)", local, decide)
         if isinstance(answer, Metadata):
+            entry = mine["entry"]
+            entry.saves += 1
+            self.entries.move_to_end(entry.key)
             return CachedSaveResult(answer, False, mine["planning_s"])
-        planning_s = time.perf_counter() - start
         job.storage.delete(job.written)  # speculative files of a cache hit, if any
         job.written = []
-        _, plan = answer
-        metadata = job.persist(save_id, plan)
-        self.entry = CacheEntry(mine["key"], plan, mine.get("keys"), mine.get("local_plans"),
-                                mine.get("decls"))
-        return CachedSaveResult(metadata, True, planning_s)
+        if answer == "replan":
+            answer = coord.gather_scatter(
+                "save planning", lambda: job.planner.create_local_plan(mine["offered"]),
+                lambda plans: plan_all(plans).values)
+        planning_s = time.perf_counter() - start
+        name, plan = answer
+        metadata = job.persist(name, plan)
+        entry = CacheEntry(mine["key"], plan, token=name, keys=mine.get("keys"),
+                           decls=mine.get("decls"))
+        self.add(entry)
+        return CachedSaveResult(metadata, True, planning_s, entry)

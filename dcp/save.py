@@ -36,11 +36,16 @@ from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.gc_pause import gc_paused
 from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
                           TensorMeta, checksum, decode, encode)
+from dcp.plan_cache import PlanCache
 from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.state_dict import flatten
 from dcp.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, open_storage
 
 DATA_SUFFIX = ".data"
+
+#: The plan caches of :func:`save`, one per group (by its members' global
+#: ranks): a save of a structure saved before skips the planning exchange.
+_plan_caches: dict[tuple[int, ...], PlanCache] = {}
 
 
 #: Replicas up to this many bytes are compared in full; larger ones by a
@@ -465,7 +470,10 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
             ``thread_count``, ``fsync`` for POSIX).
 
     A save waits first for this process's :func:`dcp.async_save` in flight,
-    if any (one save in flight per job).
+    if any (one save in flight per job).  A save of a structure this group
+    saved before reuses its plan (:mod:`dcp.plan_cache`): the ranks write
+    right away, and one gather of the write results and one broadcast of
+    the commit are all the coordination.
 
     Returns:
         The committed :class:`~dcp.Metadata` (on every rank).
@@ -479,6 +487,9 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("save")
+    job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
+                overwrite)
     with gc_paused():
-        return _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner,
-                     coordinator, overwrite).run()
+        if coordinator.world_size == 1:  # nothing to exchange
+            return job.run()
+        return _plan_caches.setdefault(coordinator.members, PlanCache()).save(job).metadata

@@ -76,8 +76,8 @@ class Rendezvous:
 @dataclass
 class SaveJob:
     """One save for the worker.  ``layout`` is set only when the staging
-    buffer changed or the worker is new, ``plan_entry`` (the trainer's copy
-    of the plan cache) only when the worker is new; ``error`` is a failure
+    buffer changed or the worker is new, ``plan_entries`` (the trainer's
+    copy of the plan cache) only when the worker is new; ``error`` is a failure
     of the trainer before the save could start (staging), reported to every
     rank in the save's first step."""
 
@@ -96,7 +96,7 @@ class SaveJob:
     timeout: float
     rendezvous: Rendezvous | None
     layout: Layout | None
-    plan_entry: CacheEntry | None
+    plan_entries: list[CacheEntry]
     error: CheckpointError | None
 
 
@@ -195,8 +195,8 @@ class _Worker:
         start = time.perf_counter()
         if job.layout is not None:
             self.layout = job.layout
-        if job.plan_entry is not None:
-            self.cache.entry = job.plan_entry
+        for entry in job.plan_entries:
+            self.cache.add(entry)
         cleanup: Callable[[], None] = lambda: None  # noqa: E731
         try:
             storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
@@ -221,7 +221,7 @@ class _Worker:
                 self.group_ok = job.coordination == "gloo"
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
-                                  plan_entry=self.cache.entry if done.exchanged else None)
+                                  plan_entry=done.entry)
         except Exception as e:  # every failure goes back to the trainer
             if not isinstance(e, CheckpointError):
                 e = CheckpointError(f"rank {job.rank}: async save of {job.checkpoint_id!r} failed: "

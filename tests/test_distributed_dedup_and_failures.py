@@ -118,6 +118,63 @@ def test_replicated_sizes_3_1_1_1_on_two_ranks_balance_3_to_3(ctx):
         assert_bitwise_equal(target[k], v, k)
 
 
+@dist_scenario(world_size=2, phase=0)
+def test_sync_saves_reuse_cached_plans_and_never_a_stale_one(ctx):
+    """A save of a structure the group saved before skips planning, across
+    alternating structures (the save id shows it: an exchange names a save
+    ``<8 hex>00000000``, the n-th reuse ``<those 8 hex><n>``).  A layout
+    change on one rank replans; and a rank whose cached plan came from
+    another exchange than the coordinator's (rank 1's plan below was made
+    while rank 0 held an extra shard, which moved replicated chunks to rank
+    1) replans instead of writing by it.  Every checkpoint loads exact, and
+    speculative writes leave no files behind."""
+    replicated = {f"p{i}": randn((64 + 16 * i, 256), seed=i) for i in range(6)}
+    extra = randn((512, 256), seed=99)  # 512 KiB, held by rank 0 only
+
+    def structure(kind: str) -> dict:
+        sd = dict(replicated)
+        if kind == "B":
+            sd["b"] = randn((32, 8), seed=7)
+        if kind == "C" and ctx.rank == 0:
+            sd["extra"] = dcp.TensorShard(extra, tuple(extra.shape), (0, 0))
+        return sd
+
+    def save(kind: str, name: str) -> str:
+        sd, ckpt = structure(kind), ctx.dir / name
+        md = dcp.save(sd, str(ckpt))
+        ctx.barrier()
+        stray = {p.name for p in ckpt.iterdir()} - md.files() - {"metadata.json"}
+        assert not stray, f"{name}: files not in the metadata: {stray}"
+        target = {k: torch.zeros_like(v) for k, v in replicated.items()}
+        if kind == "B":
+            target["b"] = torch.zeros(32, 8)
+        if kind == "C":
+            target["extra"] = torch.zeros_like(extra)
+        dcp.load(target, str(ckpt))
+        expected = {**sd, "extra": extra} if kind == "C" else sd
+        for k, v in expected.items():
+            assert_bitwise_equal(target[k], v, f"{name}: {k}")
+        ctx.barrier()
+        return md.save_id
+
+    a1 = save("A", "a1")
+    assert a1.endswith("00000000"), a1
+    assert save("A", "a2") == a1[:8] + "00000001"
+    b1 = save("B", "b1")
+    assert b1.endswith("00000000") and b1[:8] != a1[:8], (a1, b1)
+    assert save("A", "a3") == a1[:8] + "00000002"
+    assert save("B", "b2") == b1[:8] + "00000001"
+    c1 = save("C", "c1")  # rank 0 misses, rank 1 hits A's plan: replanned
+    assert c1.endswith("00000000") and c1[:8] not in (a1[:8], b1[:8]), (a1, b1, c1)
+    c1_md = dcp.read_metadata(str(ctx.dir / "c1"))
+    a1_md = dcp.read_metadata(str(ctx.dir / "a1"))
+    assert _written_bytes_per_rank(c1_md)[1] > _written_bytes_per_rank(a1_md)[1], \
+        "precondition: rank 0's extra shard moves replicated writes to rank 1"
+    a4 = save("A", "a4")  # both hit, but rank 1's plan is C's: replanned
+    assert a4.endswith("00000000") and a4[:8] != c1[:8], (c1, a4)
+    assert save("A", "a5") == a4[:8] + "00000001"
+
+
 # ------------------------------------------------------------------ failures
 def _names_rank(msg: str, rank: int) -> bool:
     return re.search(rf"rank\W{{0,3}}{rank}\b", msg, re.I) is not None
