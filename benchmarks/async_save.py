@@ -213,6 +213,7 @@ def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: 
                    first_stall_s=samples[0]["stall"], first_total_s=samples[0]["total"],
                    stall_s=median("stall"), total_s=median("total"),
                    memcpy_s=median("floor"), stall_x_memcpy=median("ratio"),
+                   stall_x_memcpy_each=[round(s["ratio"], 3) for s in later],
                    lost_device_s=median("lost", "device"), lost_cpu_s=median("lost", "cpu"),
                    busy_device_s=median("busy", "device"), busy_cpu_s=median("busy", "cpu"))
         if samples[0]["planning"] is not None:
