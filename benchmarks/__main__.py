@@ -209,8 +209,8 @@ def _notes(eviction: str | None, repeat: int, foreign: float) -> list[str]:
     return [
         busy,
         f"seconds: wall time of one save/load call on the slowest rank (fsync included), "
-        f"median and range over {repeat} repeat(s); the systems' order alternates between repeats "
-        "and between consecutive scenarios",
+        f"median and range over {repeat} repeat(s); the systems' order rotates by one place "
+        "between repeats and between consecutive scenarios (small tensors: alternates)",
         "CPU s: CPU time of the call (all threads) summed over ranks, median over repeats; "
         "less affected by other processes than seconds, but not immune",
         "bytes per rank: /proc/self/io deltas around the call, mean over ranks "

@@ -12,8 +12,8 @@ Scenarios:
   ``source`` into a state dict in layout ``target``.
 
 For each world size one process group runs every selected scenario for every
-system, ``repeat`` times; the systems' order alternates between repeats and
-between consecutive scenarios. Each repeat saves fresh checkpoints (a load
+system, ``repeat`` times; the systems' order rotates by one place between
+repeats and between consecutive scenarios. Each repeat saves fresh checkpoints (a load
 scenario saves its source checkpoint even when the save scenario is not
 selected, without recording it); a ``sync`` precedes each save. Before a load,
 the checkpoint's file pages are evicted from the page cache and the target
@@ -252,9 +252,13 @@ def _worker(
             return str(repeat_dir / f"{system.name}-{layout}")
 
         def order(step: int) -> list[System]:
-            """Systems in the order to run them: alternating between repeats and
-            between consecutive steps of a repeat."""
-            return systems if (repeat + step) % 2 == 0 else systems[::-1]
+            """Systems in the order to run them, rotated by one place from one
+            repeat or step to the next: over as many repeats as systems, each
+            system runs in every position once.  (The disk is slower after
+            another system's writes, so a fixed position would favour or
+            handicap one system throughout.)"""
+            k = (repeat + step) % len(systems)
+            return systems[k:] + systems[:k]
 
         for step, layout in enumerate(source_layouts):
             for system in order(step):

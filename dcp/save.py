@@ -306,13 +306,13 @@ class _Save:
         replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
         workers = max(1, self.storage.thread_count)
-        # checksums are computed on their own threads while the bytes are
-        # written; replicas are hashed by the writer threads once they are done
+        # checksums, and the fingerprints of the replicas this rank does not
+        # write, are computed on their own threads while the bytes are written
         with ThreadPoolExecutor(workers) as hashers, ThreadPoolExecutor(workers) as pool:
             writes = [pool.submit(self._write_file, name, group, hashers)
                       for name, group in zip(names, groups)]
             batches = [replicas[k::workers] for k in range(workers)]
-            hashes = [pool.submit(self._hash_all, batch) for batch in batches if batch]
+            hashes = [hashers.submit(self._hash_all, batch) for batch in batches if batch]
             for future in writes:
                 chunks, prints = future.result()
                 result.chunks.extend(chunks)
