@@ -13,9 +13,10 @@ Scenarios:
 
 For each world size one process group runs every selected scenario for every
 system, ``repeat`` times; the systems' order rotates by one place between
-repeats and between consecutive scenarios. Each repeat saves fresh checkpoints (a load
-scenario saves its source checkpoint even when the save scenario is not
-selected, without recording it); a ``sync`` precedes each save. Before a load,
+repeats and between consecutive scenarios. Each repeat saves fresh
+checkpoints (a load scenario saves its source checkpoint even when the save
+scenario is not selected, without recording it); a ``sync`` precedes each
+save. Before a load,
 the checkpoint's file pages are evicted from the page cache and the target
 tensors are zeroed; after it, every rank checks the loaded values.
 """
