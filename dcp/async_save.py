@@ -259,7 +259,7 @@ class _Saver:
         if job.coordination != "none":  # the outcome of a coordinated save is every rank's
             if outcome.error is not None:
                 self.plans.entries.clear()
-            elif outcome.exchanged:
+            elif outcome.plan_entry is not None:
                 self.plans.add(outcome.plan_entry)
         c = self.counters
         self.counters = replace(

@@ -10,27 +10,32 @@ A cache holds the plans of up to :data:`MAX_ENTRIES` structures (a job may
 save a model and, less often, a larger state with its optimizer; a
 benchmark alternates layouts), each marked with the *token* of the exchange
 that made it: the id of the save that exchanged its local plans, the same
-on every rank.
+on every rank.  Only planners whose ``cacheable`` is true take part
+(:class:`~dcp.planner.SavePlanner`); others plan every save.
 
 A save with the cache runs as *one* step when every rank hits: each rank
-looks its key up locally (no communication), writes the chunks its cached
-final plan gives it, and sends the coordinator its key, its entry's token
-and its write results; the coordinator checks that every key is the one its
-own entry was planned with and every token is its entry's (so no rank
-writes by a plan made for another structure of the others), and commits.
-When every rank misses, they send their local plans in that same step and
-the save goes on as an uncached one.  When some hit and some miss (a layout
-changed on some ranks), the coordinator asks all for their local plans in a
-second step; ranks that wrote speculatively delete those files first.  A
-changed layout costs an exchange, never a stale plan.  Any failure empties
-the cache (on every rank, since failures reach every rank), so the next save
-exchanges.
+looks its key up locally (no communication), checks that the target may be
+written, writes the chunks its cached final plan gives it, and sends the
+coordinator its key, its entry's token and its write results; the
+coordinator checks that every key is the one its own entry was planned with
+and every token is its entry's (so no rank writes by a plan made for
+another structure of the others), and commits.  A rank whose part is the
+same in several cached structures (structures that differ on other ranks
+only) does not guess: it sends the tokens it holds, the coordinator names
+the one of its entry, and the ranks write in a second step — still without
+planning.  When every rank misses, they send their local plans in that same
+step and the save goes on as an uncached one.  When some hit and some miss
+(a layout changed on some ranks), the coordinator asks all for their local
+plans in a second step, in which ranks that wrote speculatively delete
+those files.  A changed layout costs an exchange, never a stale plan.  Any
+failure empties the cache (on every rank, since failures reach every rank),
+so the next save exchanges.
 
 Save ids: a caller may name the save (the async saver does:
 ``<job token><save number>``).  Otherwise an exchange save gets a fresh
-random id ``<8 hex digits>00000000`` and the ``n``-th cached save of the same
-entry ``<those 8 digits><n as 8 hex digits>``: unique, and the same on every
-rank with no exchange.
+random id ``<16 hex digits>00000000`` and the ``n``-th cached save of the
+same entry ``<those 16 digits><n as 8 hex digits>``: unique, and the same on
+every rank with no exchange.
 """
 
 from __future__ import annotations
@@ -78,15 +83,16 @@ class CacheEntry:
 
     def next_id(self) -> str:
         """The id of the next save that reuses this plan."""
-        return f"{self.token[:8]}{self.saves + 1:08x}"
+        return f"{self.token[:16]}{self.saves + 1:08x}"
 
 
 @dataclass
 class CachedSaveResult:
     """What :meth:`PlanCache.save` did: the committed ``metadata``; whether
     plans were exchanged (``exchanged``, and then ``entry`` is the new
-    cache entry); ``planning_s``, the seconds spent deciding the plan (the
-    key check on a hit; the planning steps on a miss)."""
+    cache entry, ``None`` if the planner is not cacheable); ``planning_s``,
+    the seconds spent deciding the plan (the key check on a hit; the
+    planning steps on a miss)."""
 
     metadata: Metadata
     exchanged: bool
@@ -95,24 +101,29 @@ class CachedSaveResult:
 
 
 class PlanCache:
-    """The cached plans of one rank for the saves of one group, by key
-    (least recently used first).  Entries are plain data, so a process can
-    hand them to another (the trainer keeps copies for the next worker)."""
+    """The cached plans of one rank for the saves of one group, by key and
+    token (least recently used first).  Entries are plain data, so a
+    process can hand them to another (the trainer keeps copies for the next
+    worker)."""
 
     def __init__(self) -> None:
-        self.entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        self.entries: OrderedDict[tuple[str, str], CacheEntry] = OrderedDict()
 
     def add(self, entry: CacheEntry) -> None:
-        """Keep ``entry`` (replacing the one of its key), dropping the least
-        recently used beyond :data:`MAX_ENTRIES`."""
-        self.entries[entry.key] = entry
-        self.entries.move_to_end(entry.key)
+        """Keep ``entry``, dropping the least recently used beyond
+        :data:`MAX_ENTRIES`."""
+        self.entries[(entry.key, entry.token)] = entry
         while len(self.entries) > MAX_ENTRIES:
             self.entries.popitem(last=False)
+
+    def _used(self, entry: CacheEntry) -> None:
+        entry.saves += 1
+        self.entries.move_to_end((entry.key, entry.token))
 
     def save(self, job, save_id: str | None = None) -> CachedSaveResult:
         """Run ``job`` (a :class:`dcp.save._Save` not yet started) with the
         cache, as save ``save_id`` (by default named as in the module doc).
+        A planner whose ``cacheable`` is false plans every save.
 
         Raises :class:`CheckpointError` on every rank if the save fails; the
         cache is emptied then and the files this rank wrote are deleted
@@ -127,55 +138,81 @@ class PlanCache:
 
     def _save(self, job, save_id: str | None) -> CachedSaveResult:
         start = time.perf_counter()
-        coord = job.coord
+        coord, cacheable = job.coord, job.planner.cacheable
         mine: dict = {"planning_s": 0.0}
+
+        def write(entry: CacheEntry) -> tuple:
+            name = save_id or entry.next_id()
+            mine.update(planning_s=time.perf_counter() - start, used=entry)
+            mine["result"] = job.write(name, entry.plan)
+            return (entry.token, name), mine["result"]
 
         def local():
             offered = job.offered()
             key = structure_key(job.state.chunks, coord.world_size, coord.rank, job.planner)
-            entry = self.entries.get(key)
-            mine.update(key=key, offered=offered, entry=entry)
-            if entry is None:
+            found = [e for (k, _), e in self.entries.items() if k == key] if cacheable else []
+            mine.update(key=key, offered=offered, found=found)
+            if not found:
                 return "plan", key, None, job.planner.create_local_plan(offered)
-            name = save_id or entry.next_id()
-            mine["planning_s"] = time.perf_counter() - start
-            return "written", key, (entry.token, name), job.write(name, entry.plan)
+            if len(found) > 1:  # this part belongs to several structures: the coordinator picks
+                return "choose", key, [e.token for e in found], None
+            job.check_target()  # before writing: a refusal costs no I/O
+            return ("written", key) + write(found[0])
 
         def plan_all(plans: list[SavePlan]) -> PerRank:
-            name = save_id or f"{uuid.uuid4().hex[:8]}{0:08x}"
+            name = save_id or f"{uuid.uuid4().hex[:16]}{0:08x}"
             final = job.global_plan(plans)
             mine.update(decls=dict(job.decls))
             return PerRank([(name, plan) for plan in final])
 
-        def decide(parts: list[tuple[str, str, tuple | None, object]]):
+        def decide(parts: list[tuple[str, str, object, object]]):
             keys = [key for _, key, _, _ in parts]
             mine["keys"] = keys
-            own = mine["entry"]
-            if (own is not None and own.keys == keys
-                    and all(kind == "written" and marks == parts[0][2] for kind, _, marks, _ in parts)):
-                job.decls = own.decls
-                job.check_target()
-                return job.commit(parts[0][2][1], [result for _, _, _, result in parts])
+            for own in mine["found"]:
+                if own.keys != keys:
+                    continue
+                marks = (own.token, save_id or own.next_id())
+                if all(kind == "written" and m == marks for kind, _, m, _ in parts):
+                    job.decls = own.decls
+                    job.check_target()
+                    return job.commit(marks[1], [result for _, _, _, result in parts])
+                if all((kind == "written" and m == marks) or (kind == "choose" and own.token in m)
+                       for kind, _, m, _ in parts):
+                    job.check_target()
+                    return "write", own.token
             if all(kind == "plan" for kind, _, _, _ in parts):
                 return plan_all([plan for _, _, _, plan in parts])
             return "replan"
 
         answer = coord.step("save (planning or cached writing)", local, decide)
         if isinstance(answer, Metadata):
-            entry = mine["entry"]
-            entry.saves += 1
-            self.entries.move_to_end(entry.key)
+            self._used(mine["used"])
             return CachedSaveResult(answer, False, mine["planning_s"])
-        job.storage.delete(job.written)  # speculative files of a cache hit, if any
-        job.written = []
+        if isinstance(answer, tuple) and answer[0] == "write":  # some ranks were told which plan
+            chosen = next(e for e in mine["found"] if e.token == answer[1])
+            name = save_id or chosen.next_id()
+
+            def commit(results: list) -> Metadata:
+                job.decls = chosen.decls
+                return job.commit(name, results)
+
+            metadata = coord.gather_broadcast(
+                "save writing/commit",
+                lambda: mine["result"] if "used" in mine else write(chosen)[1], commit)
+            self._used(chosen)
+            return CachedSaveResult(metadata, False, mine["planning_s"])
         if answer == "replan":
-            answer = coord.gather_scatter(
-                "save planning", lambda: job.planner.create_local_plan(mine["offered"]),
-                lambda plans: plan_all(plans).values)
+            def replan() -> SavePlan:
+                job.storage.retrying(job.storage.delete, job.written)  # speculative files
+                job.written = []
+                return job.planner.create_local_plan(mine["offered"])
+            answer = coord.gather_scatter("save planning", replan,
+                                          lambda plans: plan_all(plans).values)
         planning_s = time.perf_counter() - start
         name, plan = answer
         metadata = job.persist(name, plan)
         entry = CacheEntry(mine["key"], plan, token=name, keys=mine.get("keys"),
                            decls=mine.get("decls"))
-        self.add(entry)
-        return CachedSaveResult(metadata, True, planning_s, entry)
+        if cacheable:
+            self.add(entry)
+        return CachedSaveResult(metadata, True, planning_s, entry if cacheable else None)

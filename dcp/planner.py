@@ -51,6 +51,12 @@ class SavePlan:
 class SavePlanner(abc.ABC):
     """Decides which rank writes which chunk."""
 
+    #: Whether a save may reuse this planner's final plans while the state
+    #: dict's structure and the planner's attributes stay the same
+    #: (:mod:`dcp.plan_cache`): true only if :meth:`create_global_plan`
+    #: depends on nothing else (no hidden state, no randomness, no clock).
+    cacheable: bool = False
+
     def create_local_plan(self, plan: SavePlan) -> SavePlan:
         """Runs on every rank with everything the rank holds; returns what it
         offers to write.  The default offers every non-empty chunk."""

@@ -57,6 +57,8 @@ class DefaultSavePlanner(SavePlanner):
             most ``1 + tolerance`` times the mean bytes per rank.
     """
 
+    cacheable = True  # the plan depends only on the local plans and the arguments below
+
     def __init__(self, save_to_minimum_rank: bool = False, split_replicated: bool = True,
                  min_piece_bytes: int = 1 << 20, tolerance: float = 0.05) -> None:
         self.save_to_minimum_rank = save_to_minimum_rank

@@ -122,14 +122,23 @@ def test_replicated_sizes_3_1_1_1_on_two_ranks_balance_3_to_3(ctx):
 def test_sync_saves_reuse_cached_plans_and_never_a_stale_one(ctx):
     """A save of a structure the group saved before skips planning, across
     alternating structures (the save id shows it: an exchange names a save
-    ``<8 hex>00000000``, the n-th reuse ``<those 8 hex><n>``).  A layout
-    change on one rank replans; and a rank whose cached plan came from
-    another exchange than the coordinator's (rank 1's plan below was made
-    while rank 0 held an extra shard, which moved replicated chunks to rank
-    1) replans instead of writing by it.  Every checkpoint loads exact, and
-    speculative writes leave no files behind."""
+    ``<16 hex>00000000``, the n-th reuse ``<those 16 hex><n>``), and writes
+    once.  A layout change on one rank replans.  Structures that differ on
+    rank 0 only (an extra shard there, which moves replicated chunks to rank
+    1) both stay cached: rank 1, whose part is the same in both, holds two
+    plans for it and writes by the one the coordinator names, never by the
+    other.  Every checkpoint loads exact, and speculative writes leave no
+    files behind."""
+    from dcp.save import _Save
+
     replicated = {f"p{i}": randn((64 + 16 * i, 256), seed=i) for i in range(6)}
     extra = randn((512, 256), seed=99)  # 512 KiB, held by rank 0 only
+    writes = []
+    original = _Save.write
+
+    def counting(self, *args, **kwargs):
+        writes.append(1)
+        return original(self, *args, **kwargs)
 
     def structure(kind: str) -> dict:
         sd = dict(replicated)
@@ -139,9 +148,11 @@ def test_sync_saves_reuse_cached_plans_and_never_a_stale_one(ctx):
             sd["extra"] = dcp.TensorShard(extra, tuple(extra.shape), (0, 0))
         return sd
 
-    def save(kind: str, name: str) -> str:
+    def save(kind: str, name: str, expected_writes: int = 1) -> str:
         sd, ckpt = structure(kind), ctx.dir / name
+        writes.clear()
         md = dcp.save(sd, str(ckpt))
+        assert len(writes) == expected_writes, f"{name}: {len(writes)} writes on rank {ctx.rank}"
         ctx.barrier()
         stray = {p.name for p in ckpt.iterdir()} - md.files() - {"metadata.json"}
         assert not stray, f"{name}: files not in the metadata: {stray}"
@@ -157,22 +168,32 @@ def test_sync_saves_reuse_cached_plans_and_never_a_stale_one(ctx):
         ctx.barrier()
         return md.save_id
 
-    a1 = save("A", "a1")
-    assert a1.endswith("00000000"), a1
-    assert save("A", "a2") == a1[:8] + "00000001"
-    b1 = save("B", "b1")
-    assert b1.endswith("00000000") and b1[:8] != a1[:8], (a1, b1)
-    assert save("A", "a3") == a1[:8] + "00000002"
-    assert save("B", "b2") == b1[:8] + "00000001"
-    c1 = save("C", "c1")  # rank 0 misses, rank 1 hits A's plan: replanned
-    assert c1.endswith("00000000") and c1[:8] not in (a1[:8], b1[:8]), (a1, b1, c1)
-    c1_md = dcp.read_metadata(str(ctx.dir / "c1"))
-    a1_md = dcp.read_metadata(str(ctx.dir / "a1"))
-    assert _written_bytes_per_rank(c1_md)[1] > _written_bytes_per_rank(a1_md)[1], \
-        "precondition: rank 0's extra shard moves replicated writes to rank 1"
-    a4 = save("A", "a4")  # both hit, but rank 1's plan is C's: replanned
-    assert a4.endswith("00000000") and a4[:8] != c1[:8], (c1, a4)
-    assert save("A", "a5") == a4[:8] + "00000001"
+    _Save.write = counting
+    try:
+        a1 = save("A", "a1")
+        assert a1.endswith("00000000") and len(a1) == 24, a1
+        assert save("A", "a2") == a1[:16] + "00000001"
+        b1 = save("B", "b1")
+        assert b1.endswith("00000000") and b1[:16] != a1[:16], (a1, b1)
+        assert save("A", "a3") == a1[:16] + "00000002"
+        assert save("B", "b2") == b1[:16] + "00000001"
+        # rank 0 misses, rank 1 hits A's plan and wrote by it: replanned
+        c1 = save("C", "c1", expected_writes=2 if ctx.rank == 1 else 1)
+        assert c1.endswith("00000000") and c1[:16] not in (a1[:16], b1[:16]), (a1, b1, c1)
+        c1_md = dcp.read_metadata(str(ctx.dir / "c1"))
+        a1_md = dcp.read_metadata(str(ctx.dir / "a1"))
+        assert _written_bytes_per_rank(c1_md)[1] > _written_bytes_per_rank(a1_md)[1], \
+            "precondition: rank 0's extra shard moves replicated writes to rank 1"
+        # rank 1 holds A's and C's plans for its part: told which, it writes once
+        assert save("A", "a4") == a1[:16] + "00000003"
+        assert save("C", "c2") == c1[:16] + "00000001"
+        assert save("A", "a5") == a1[:16] + "00000004"
+        writes.clear()  # a refused save on a cache hit writes nothing
+        with pytest.raises(dcp.CheckpointError, match="already holds a committed checkpoint"):
+            dcp.save(structure("B"), str(ctx.dir / "a5"))
+        assert not writes, f"rank {ctx.rank} wrote before the refusal"
+    finally:
+        _Save.write = original
 
 
 # ------------------------------------------------------------------ failures
