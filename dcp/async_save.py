@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from dcp import pending
+from dcp.coordination import Coordinator
 from dcp.errors import CheckpointError
 from dcp.gc_pause import gc_paused
 from dcp.metadata import Metadata
@@ -183,12 +184,10 @@ class _Saver:
     instances = 0
 
     def __init__(self, process_group) -> None:
-        if dist.is_available() and dist.is_initialized():
-            self.group = process_group
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
-            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            key = f"hyperdcp/async/{zlib.crc32(repr(ranks).encode()):08x}/{_Saver.instances}"
+        coord = Coordinator(process_group)
+        if coord.distributed:
+            self.group, self.rank, self.world_size = process_group, coord.rank, coord.world_size
+            key = f"hyperdcp/async/{zlib.crc32(repr(coord.members).encode()):08x}/{_Saver.instances}"
             self.token = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:8]).decode()
         else:
             self.group, self.rank, self.world_size = None, 0, 1

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -160,10 +159,9 @@ class PlanCache:
             return ("written", key) + write(found[0])
 
         def plan_all(plans: list[SavePlan]) -> PerRank:
-            name = save_id or f"{uuid.uuid4().hex[:16]}{0:08x}"
-            final = job.global_plan(plans)
+            final = job.plan_all(plans, save_id)
             mine.update(decls=dict(job.decls))
-            return PerRank([(name, plan) for plan in final])
+            return PerRank(final)
 
         def decide(parts: list[tuple[str, str, object, object]]):
             keys = [key for _, key, _, _ in parts]

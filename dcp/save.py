@@ -436,14 +436,17 @@ class _Save:
         if not committed:
             self.storage.delete(self.written)
 
+    def plan_all(self, plans: list[SavePlan], save_id: str | None) -> list[tuple[str, SavePlan]]:
+        """The coordinator's planning: each rank's final plan, with the
+        save's id (``save_id``, or a fresh random ``<16 hex digits>00000000``)."""
+        chosen = save_id or f"{uuid.uuid4().hex[:16]}{0:08x}"
+        return [(chosen, plan) for plan in self.global_plan(plans)]
+
     def run(self, save_id: str | None = None) -> Metadata:
         """The whole save, as ``save_id`` (by default the coordinator draws
         a fresh one)."""
-        def plan_all(plans: list[SavePlan]) -> list[tuple[str, SavePlan]]:
-            chosen = save_id or uuid.uuid4().hex[:16]
-            return [(chosen, plan) for plan in self.global_plan(plans)]
-
-        save_id, plan = self.coord.gather_scatter("save planning", self.local_plan, plan_all)
+        save_id, plan = self.coord.gather_scatter(
+            "save planning", self.local_plan, lambda plans: self.plan_all(plans, save_id))
         return self.persist(save_id, plan)
 
 
