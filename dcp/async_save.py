@@ -187,7 +187,8 @@ class _Saver:
         coord = Coordinator(process_group)
         if coord.distributed:
             self.group, self.rank, self.world_size = process_group, coord.rank, coord.world_size
-            key = f"hyperdcp/async/{zlib.crc32(repr(coord.members).encode()):08x}/{_Saver.instances}"
+            group_id = zlib.crc32(repr(coord.members).encode())
+            key = f"hyperdcp/async/{group_id:08x}/{_Saver.instances}"
             self.token = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:8]).decode()
         else:
             self.group, self.rank, self.world_size = None, 0, 1
