@@ -14,8 +14,8 @@ maximum resident set size is the peak memory (the process reports its RSS
 just before the call, so import overhead shows separately):
 
 * ``safetensors -> hyperdcp`` and ``hyperdcp -> safetensors`` (the two
-  directions of :mod:`dcp.safetensors_io`, default options: data files are
-  ``fsync``-ed), and the same through PyTorch DCP (:mod:`dcp.torch_dcp_io`);
+  directions of :mod:`dcp.interop.safetensors_io`, default options: data files are
+  ``fsync``-ed), and the same through PyTorch DCP (:mod:`dcp.interop.torch_dcp_io`);
 * baselines: ``cp -r`` of the source files, and ``cp -r`` followed by
   ``sync`` of the copies (the fair baseline for a writer that fsyncs).
 
@@ -103,8 +103,8 @@ def _rss() -> int:
 
 def _child(operation: str, src: str, dst: str) -> None:
     """Run one conversion in this (fresh) process; print its measurements."""
-    from dcp.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
-    from dcp.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
+    from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
+    from dcp.interop.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
 
     calls = {
         "safetensors -> hyperdcp": lambda: safetensors_to_checkpoint(src, dst),

@@ -1,20 +1,20 @@
 """Coordination at scale: the two coordination steps of a save with many ranks.
 
-* ``file``: the file-flag protocol (:class:`dcp.file_coordination.FileCoordinator`)
+* ``file``: the file-flag protocol (:class:`dcp.coordination.file_flag.FileCoordinator`)
   over the POSIX plugin (default options: fsync on), real exchange files in
   one checkpoint directory, 64 to 512 simulated ranks played in turn in one
   process (see :func:`measure_file`: one thread per rank would measure the
   GIL, not the protocol);
-* ``gloo``: :class:`dcp.coordination.Coordinator` over a gloo process group
+* ``gloo``: :class:`dcp.coordination.collectives.Coordinator` over a gloo process group
   of spawned processes running in parallel (small world sizes: one process
   per rank on this machine).
 
-Both drive the steps of :meth:`dcp.save._Save.run` with the payloads of
+Both drive the steps of :meth:`dcp.orchestration.save._Save.run` with the payloads of
 the 505B-class layout of :mod:`benchmarks.scale` (TP x PP x DP): step 1
 (*plans*) gathers every rank's local save plan and answers each rank with
 its final plan from ``DefaultSavePlanner.create_global_plan``; step 2
 (*results*) gathers the write results and answers everyone with the
-metadata from ``dcp.save.build_metadata`` (one shared answer).  Per step:
+metadata from ``dcp.orchestration.save.build_metadata`` (one shared answer).  Per step:
 the critical path (slowest rank from its start to its answer), the
 coordinator's part and its compute (planning, metadata).  For ``file``, the
 exchange files read whole per step show that the coordinator reads N and
@@ -33,11 +33,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dcp import wire
-from dcp.coordination import Coordinator, CoordinatorBase, PerRank
-from dcp.file_coordination import FileCoordinator
-from dcp.planner import SavePlan
-from dcp.save import WriteResult, build_metadata
+from dcp.coordination import wire
+from dcp.coordination.collectives import Coordinator, CoordinatorBase, PerRank
+from dcp.coordination.file_flag import FileCoordinator
+from dcp.core.planner import SavePlan
+from dcp.orchestration.save import WriteResult, build_metadata
 from planners.save import DefaultSavePlanner
 from storage_plugins.posix import PosixStorage
 
@@ -153,7 +153,7 @@ def measure_file(ranks: int, scratch: str | None) -> dict:
 def _save_steps(coord: CoordinatorBase, plan: SavePlan, result: WriteResult,
                 compute: dict[str, float]) -> dict[str, float]:
     """The coordination steps of one save on one rank (as in
-    :meth:`dcp.save._Save.run`); returns when this rank got each answer,
+    :meth:`dcp.orchestration.save._Save.run`); returns when this rank got each answer,
     seconds after its start.  The coordinator records its compute time per
     step in ``compute``."""
     start = time.perf_counter()

@@ -5,8 +5,8 @@ laid out as tensor parallel x pipeline parallel x data parallel, weights
 (bf16) replicated over DP and the optimizer state (fp32 exp_avg, exp_avg_sq
 and master weights) sharded over DP along dim 0 as ZeRO-1 does.  Synthetic
 local plans of every rank go through the real code paths of a save —
-``DefaultSavePlanner.create_global_plan``, ``dcp.save.build_metadata``,
-``dcp.metadata.encode`` — and of a load — ``dcp.metadata.decode``,
+``DefaultSavePlanner.create_global_plan``, ``dcp.orchestration.save.build_metadata``,
+``dcp.core.metadata.encode`` — and of a load — ``dcp.core.metadata.decode``,
 ``DefaultLoadPlanner.create_local_plan`` for one rank of another layout
 (resharding TP8 -> TP4, DP x2) and ``create_global_plan`` for the ranks of one
 pipeline stage (broadcast readers).  No process or tensor is created: only the planning
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcp.metadata import ChunkMeta, decode, encode
-from dcp.planner import ReadRequest, SavePlan, TensorDecl, WriteItem
-from dcp.save import WriteResult, build_metadata
+from dcp.core.metadata import ChunkMeta, decode, encode
+from dcp.core.planner import ReadRequest, SavePlan, TensorDecl, WriteItem
+from dcp.orchestration.save import WriteResult, build_metadata
 from planners.load import DefaultLoadPlanner
 from planners.save import DefaultSavePlanner
 

@@ -35,7 +35,7 @@ import s3fs
 import torch
 
 import dcp
-from dcp.storage import open_storage
+from dcp.core.storage import open_storage
 from dcp.testing import local_s3_server
 
 MiB = 1 << 20

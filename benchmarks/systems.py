@@ -83,8 +83,8 @@ class StorageFloor(HyperDCP):
     def save(self, state_dict: dict[str, Any], path: str) -> None:
         import torch.distributed as dist
 
-        from dcp.save import describe_state
-        from dcp.tensors import byte_view, to_host
+        from dcp.orchestration.save import describe_state
+        from dcp.core.tensors import byte_view, to_host
         from storage_plugins.posix import PosixStorage
 
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,6 +2,6 @@
 
 import sys
 
-from dcp.cli import main
+from dcp.tools.cli import main
 
 sys.exit(main())

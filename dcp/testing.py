@@ -16,7 +16,7 @@ a test module and giving it a fresh, empty location per test::
         def storage_options(self):          # optional; default {}
             return {"thread_count": 2}
 
-The plugin is opened through :func:`dcp.storage.open_storage`, so the suite
+The plugin is opened through :func:`dcp.core.storage.open_storage`, so the suite
 also checks that it is registered in the ``dcp.storage_plugins`` entry-point
 group.  It covers writes, ranged reads, atomic and exclusive commits, the
 exchange-file protocol (torn files included), listing, deletion, errors,
@@ -42,8 +42,8 @@ import pytest
 import torch
 
 import dcp
-from dcp.metadata import METADATA_FILE
-from dcp.storage import StoragePlugin, installed_schemes, open_storage, scheme_of
+from dcp.core.metadata import METADATA_FILE
+from dcp.core.storage import StoragePlugin, installed_schemes, open_storage, scheme_of
 
 
 def _payload(size: int, seed: int) -> bytes:
@@ -64,7 +64,7 @@ class _FailingBuffers:
 
 
 class StorageConformance:
-    """The contract of :class:`~dcp.storage.StoragePlugin`, as pytest tests.
+    """The contract of :class:`~dcp.core.storage.StoragePlugin`, as pytest tests.
 
     Subclasses provide the ``checkpoint_id`` fixture (a location no other
     test uses, empty at the start) and may override ``storage_options``.

@@ -16,7 +16,7 @@ the fewest bytes so far (ties to the lowest rank).  Regions with the same
 group and reader are batched into transfers of about ``batch_bytes``.  A
 transfer whose members all share a host (the same non-empty
 ``LoadPlan.host``) goes through host shared memory
-(:mod:`dcp.host_exchange`: one copy per receiver, no socket); the others
+(:mod:`dcp.coordination.host_exchange`: one copy per receiver, no socket); the others
 are ``torch.distributed`` broadcasts (gloo, NCCL, HCCL).
 """
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import zip_longest
 
-from dcp.boxes import intersect_many, volume
+from dcp.core.boxes import intersect_many, volume
 from dcp.errors import CheckpointError
-from dcp.metadata import DTYPE_ITEMSIZE, Metadata
-from dcp.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer
+from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata
+from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer
 
 
 class DefaultLoadPlanner(LoadPlanner):

@@ -36,9 +36,9 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 
-from dcp.boxes import volume
+from dcp.core.boxes import volume
 from dcp.errors import CheckpointError
-from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem
+from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem
 
 _Key = tuple[str, tuple[int, ...]]
 

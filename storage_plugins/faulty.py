@@ -56,7 +56,7 @@ import time
 from typing import Iterable, Sequence
 
 from dcp.errors import CheckpointError
-from dcp.storage import StoragePlugin, open_storage, scheme_of
+from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 
 PREFIX = "faulty://"
 LOCAL_FAULTS = ("ENOSPC", "EIO")

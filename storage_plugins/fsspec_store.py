@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 import fsspec
 
 from dcp.errors import CheckpointError
-from dcp.storage import StoragePlugin
+from dcp.core.storage import StoragePlugin
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ cache, so the writer neither copies every byte into the kernel nor leaves
 dirty pages for ``fsync`` to flush (the approach of DeepSpeed's FastPersist,
 arXiv:2406.13768, which writes aligned buffers with direct I/O).  The
 staging buffers of :func:`dcp.async_save` are such memory (chunks of at
-least :data:`dcp.storage.ALIGNED_CHUNK_BYTES` start at page boundaries, and
+least :data:`dcp.core.storage.ALIGNED_CHUNK_BYTES` start at page boundaries, and
 the save pads data files so that they start at aligned offsets), which is
 what the background save writes.  Measured here: four processes writing
 128 MiB each from aligned memory with ``fsync`` took 0.32 s direct against
@@ -46,7 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dcp.storage import StoragePlugin
+from dcp.core.storage import StoragePlugin
 
 WRITEBACK_BYTES = 2 << 20  # bytes written before their writeback is started
 #: Direct I/O granularity, in bytes: file offsets, lengths and memory

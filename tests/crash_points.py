@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from dcp.planner import SavePlanner, default_planner
-from dcp.storage import StoragePlugin, open_storage
+from dcp.core.planner import SavePlanner, default_planner
+from dcp.core.storage import StoragePlugin, open_storage
 
 PHASES = ("local planning", "global planning", "mid-write", "before commit", "after commit")
 

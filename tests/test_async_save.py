@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import dcp
-from dcp import wire
-from dcp.async_save import async_save_counters
-from dcp.file_coordination import EXCHANGE_PREFIX, FileCoordinator
-from dcp.planner import SavePlan, TensorDecl, WriteItem
+from dcp.coordination import wire
+from dcp.asynchronous.async_save import async_save_counters
+from dcp.coordination.file_flag import EXCHANGE_PREFIX, FileCoordinator
+from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, make_dtensor, randn
 from storage_plugins.posix import PosixStorage
@@ -217,7 +217,7 @@ def test_consecutive_async_saves_reuse_buffers_and_load_bit_exact_w2(ctx):
     both load bit-exact.  The staging buffer is allocated once, and what
     goes to the worker is small messages (the tensors travel by shared
     memory, never pickled)."""
-    from dcp import worker as worker_module
+    from dcp.asynchronous import worker as worker_module
 
     sizes = []
     submit = worker_module.WorkerHandle.submit

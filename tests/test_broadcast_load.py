@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp
-from dcp.planner import LoadPlan, ReadItem
+from dcp.core.planner import LoadPlan, ReadItem
 from dist_harness import dist_scenario
 from planners.load import DefaultLoadPlanner
 from storage_plugins.posix import PosixStorage

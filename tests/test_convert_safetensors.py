@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dcp
-from dcp.diff import diff
-from dcp.safetensors_io import (SAFETENSORS_DTYPES, SafetensorsFolder, checkpoint_to_safetensors,
+from dcp.tools.diff import diff
+from dcp.interop.safetensors_io import (SAFETENSORS_DTYPES, SafetensorsFolder, checkpoint_to_safetensors,
                                 load_safetensors, parse_size, safetensors_to_checkpoint)
-from dcp.verify import verify
+from dcp.tools.verify import verify
 from helpers import assert_bitwise_equal, assert_names, random_tensor
 
 # every dtype of safetensors that torch can hold
@@ -248,7 +248,7 @@ def test_parse_size_units():
 
 _MEMORY_PROBE = textwrap.dedent("""
     import json, re, sys
-    from dcp.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
+    from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
 
     def kib(field):
         return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))

@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 import dcp
-from dcp.safetensors_io import SAFETENSORS_DTYPES
-from dcp.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
+from dcp.interop.safetensors_io import SAFETENSORS_DTYPES
+from dcp.interop.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
 from helpers import assert_bitwise_equal, assert_names, random_tensor
 
 DTYPES = [getattr(torch, name) for name in SAFETENSORS_DTYPES.values()]

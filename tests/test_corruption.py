@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dcp
-from dcp.cli import main
-from dcp.verify import verify
+from dcp.tools.cli import main
+from dcp.tools.verify import verify
 from helpers import random_tensor
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import dcp
 import s3_server
 from crash_points import PHASES, Crash, CrashingPlanner, CrashingStorage
-from dcp.verify import verify
+from dcp.tools.verify import verify
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, random_tensor
 

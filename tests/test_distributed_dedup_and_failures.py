@@ -129,7 +129,7 @@ def test_sync_saves_reuse_cached_plans_and_never_a_stale_one(ctx):
     plans for it and writes by the one the coordinator names, never by the
     other.  Every checkpoint loads exact, and speculative writes leave no
     files behind."""
-    from dcp.save import _Save
+    from dcp.orchestration.save import _Save
 
     replicated = {f"p{i}": randn((64 + 16 * i, 256), seed=i) for i in range(6)}
     extra = randn((512, 256), seed=99)  # 512 KiB, held by rank 0 only

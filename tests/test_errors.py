@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dcp
-from dcp.metadata import checksum
+from dcp.core.metadata import checksum
 from helpers import FailingStorage, assert_bitwise_equal, assert_names, mentions_shape, random_tensor, randn
 
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcp
-from dcp import wire
-from dcp.metadata import ChunkMeta, Metadata, TensorMeta, decode, encode
-from dcp.safetensors_io import checkpoint_to_safetensors
-from dcp.storage import open_storage
+from dcp.coordination import wire
+from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta, decode, encode
+from dcp.interop.safetensors_io import checkpoint_to_safetensors
+from dcp.core.storage import open_storage
 from helpers import assert_bitwise_equal, random_tensor
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

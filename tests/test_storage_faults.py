@@ -1,6 +1,6 @@
 """Storage faults (issue #8.4), injected by the ``faulty://`` plugin
 (storage_plugins/faulty.py) around the real POSIX and S3 plugins: transient
-faults are retried (dcp.retry) and the save succeeds; persistent faults fail
+faults are retried (dcp.core.retry) and the save succeeds; persistent faults fail
 the save on every rank with nothing committed and the previous checkpoint
 intact, for dcp.save and dcp.async_save."""
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 import dcp
 import s3_server
-from dcp.storage import open_storage
-from dcp.verify import verify
+from dcp.core.storage import open_storage
+from dcp.tools.verify import verify
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, random_tensor
 

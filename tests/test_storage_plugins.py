@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import dcp
-from dcp import staging
-from dcp.metadata import METADATA_FILE
-from dcp.save import describe_state
-from dcp.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
+from dcp.asynchronous import staging
+from dcp.core.metadata import METADATA_FILE
+from dcp.orchestration.save import describe_state
+from dcp.core.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
 from storage_plugins.shm import DEFAULT_ROOT, ShmStorage

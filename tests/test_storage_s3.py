@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dcp
 import s3_server
-from dcp.file_coordination import EXCHANGE_PREFIX
-from dcp.metadata import METADATA_FILE
-from dcp.storage import open_storage
+from dcp.coordination.file_flag import EXCHANGE_PREFIX
+from dcp.core.metadata import METADATA_FILE
+from dcp.core.storage import open_storage
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
 from planners.save import DefaultSavePlanner

@@ -3,8 +3,8 @@ world sizes.
 
 Thirty processes would each pay for importing torch on this 2-core
 machine, so the 30 ranks are threads, each running the real save phases
-(:class:`dcp.save._Save`) with the file-flag protocol
-(:class:`dcp.file_coordination.FileCoordinator`) over the POSIX plugin: the
+(:class:`dcp.orchestration.save._Save`) with the file-flag protocol
+(:class:`dcp.coordination.file_flag.FileCoordinator`) over the POSIX plugin: the
 same code a rank's background process runs for
 ``dcp.async_save(coordination="file")``, minus staging.  Sharding as
 DTensor's ``Shard(0)`` does it: ``ceil(512 / 30) = 18`` rows for ranks 0-27,
@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import dcp
-from dcp.file_coordination import FileCoordinator
-from dcp.planner import default_planner
-from dcp.save import _Save, describe_state
+from dcp.coordination.file_flag import FileCoordinator
+from dcp.core.planner import default_planner
+from dcp.orchestration.save import _Save, describe_state
 from helpers import assert_bitwise_equal, random_tensor
 from storage_plugins.posix import PosixStorage
 

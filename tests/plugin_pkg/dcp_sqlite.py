@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from dcp.storage import StoragePlugin
+from dcp.core.storage import StoragePlugin
 
 
 class SqliteStorage(StoragePlugin):

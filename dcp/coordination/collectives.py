@@ -20,7 +20,7 @@ still take part in the same step and all get the failure.  Transports:
   ``torch.distributed``, a single process.
 * :class:`LocalCoordinator`: no traffic at all; every rank is its own
   coordinator (``async_save(coordination="none")``).
-* :class:`dcp.file_coordination.FileCoordinator`: the file-flag protocol
+* :class:`dcp.coordination.file_flag.FileCoordinator`: the file-flag protocol
   over the checkpoint's storage.
 """
 
@@ -33,7 +33,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from dcp import errors, wire
+from dcp import errors
+
+from dcp.coordination import wire
 from dcp.errors import CheckpointError
 
 

@@ -2,7 +2,7 @@
 
 Works on anything :func:`dcp.read_metadata` reads through a storage plugin,
 so a checkpoint can be compared with a safetensors folder (through
-:class:`~dcp.safetensors_io.SafetensorsFolder`).  Tensors are compared
+:class:`~dcp.interop.safetensors_io.SafetensorsFolder`).  Tensors are compared
 whole, whatever their chunking, one pair in memory at a time; "equal" means
 bitwise equal (so a NaN equals the same NaN, and ``0.0`` differs from
 ``-0.0``).  Non-tensor values are compared as JSON values, pickled ones by
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcp.load import read_metadata
-from dcp.metadata import Metadata, ObjectMeta
-from dcp.storage import StoragePlugin, open_storage
-from dcp.streaming import progress_bar, read_blob, read_tensor
+from dcp.orchestration.load import read_metadata
+from dcp.core.metadata import Metadata, ObjectMeta
+from dcp.core.storage import StoragePlugin, open_storage
+from dcp.interop.streaming import progress_bar, read_blob, read_tensor
 
 # Same-size integer views for bitwise comparison, by item size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -325,7 +325,7 @@ def _launch(phase: str, work: Path, steps: int, save_step: int) -> None:
     # --standalone makes torchrun's rendezvous bind a free local port itself.
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "dcp.demo", "--worker", phase, "--out", str(work),
+        "-m", "dcp.tools.demo", "--worker", phase, "--out", str(work),
         "--steps", str(steps), "--save-step", str(save_step),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from dcp.errors import CheckpointError
-from dcp.metadata import Metadata
+from dcp.core.metadata import Metadata
 
 PLANNER_GROUP = "dcp.planners"
 
@@ -53,7 +53,7 @@ class SavePlanner(abc.ABC):
 
     #: Whether a save may reuse this planner's final plans while the state
     #: dict's structure and the planner's attributes stay the same
-    #: (:mod:`dcp.plan_cache`): true only if :meth:`create_global_plan`
+    #: (:mod:`dcp.coordination.plan_cache`): true only if :meth:`create_global_plan`
     #: depends on nothing else (no hidden state, no randomness, no clock).
     cacheable: bool = False
 
@@ -106,7 +106,7 @@ class Transfer:
     group) reads the regions and sends them to the other members.  ``items``
     are this rank's own :class:`ReadItem` for them; every member lists the
     same regions in the same order.  ``shared_memory``: the members share a
-    host and pass the bytes through shared memory (:mod:`dcp.host_exchange`)
+    host and pass the bytes through shared memory (:mod:`dcp.coordination.host_exchange`)
     instead of a ``torch.distributed`` broadcast.
     """
 

@@ -11,7 +11,7 @@ save a model and, less often, a larger state with its optimizer; a
 benchmark alternates layouts), each marked with the *token* of the exchange
 that made it: the id of the save that exchanged its local plans, the same
 on every rank.  Only planners whose ``cacheable`` is true take part
-(:class:`~dcp.planner.SavePlanner`); others plan every save.
+(:class:`~dcp.core.planner.SavePlanner`); others plan every save.
 
 A save with the cache runs as *one* step when every rank hits: each rank
 looks its key up locally (no communication), checks that the target may be
@@ -45,9 +45,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dcp.coordination import PerRank
-from dcp.metadata import Metadata
-from dcp.planner import SavePlan, SavePlanner, TensorDecl
+from dcp.coordination.collectives import PerRank
+from dcp.core.metadata import Metadata
+from dcp.core.planner import SavePlan, SavePlanner, TensorDecl
 
 #: The most structures one cache keeps plans for; the least recently used
 #: goes first.
@@ -120,7 +120,7 @@ class PlanCache:
         self.entries.move_to_end((entry.key, entry.token))
 
     def save(self, job, save_id: str | None = None) -> CachedSaveResult:
-        """Run ``job`` (a :class:`dcp.save._Save` not yet started) with the
+        """Run ``job`` (a :class:`dcp.orchestration.save._Save` not yet started) with the
         cache, as save ``save_id`` (by default named as in the module doc).
         A planner whose ``cacheable`` is false plans every save.
 

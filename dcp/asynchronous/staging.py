@@ -3,7 +3,7 @@
 The only work :func:`dcp.async_save` does on the caller's thread besides
 describing the state dict.  All chunks of a rank live in one flat buffer of
 shared memory (``share_memory_()``), each at a 64-byte aligned offset (a
-page boundary for chunks of :data:`dcp.storage.ALIGNED_CHUNK_BYTES` or more,
+page boundary for chunks of :data:`dcp.core.storage.ALIGNED_CHUNK_BYTES` or more,
 which a direct-I/O storage plugin then writes without a copy), so the
 background worker maps the same pages (one file descriptor, handed over once)
 and nothing of the state is ever serialized.  The buffer is kept for the
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp import tensors
-from dcp.metadata import DTYPE_ITEMSIZE
-from dcp.save import SaveState
-from dcp.storage import ALIGNED_CHUNK_BYTES
+from dcp.core import tensors
+from dcp.core.metadata import DTYPE_ITEMSIZE
+from dcp.orchestration.save import SaveState
+from dcp.core.storage import ALIGNED_CHUNK_BYTES
 
 ALIGN = 64  # bytes; every chunk starts at a multiple
 PAGE = 4096  # bytes; every chunk of at least ALIGNED_CHUNK_BYTES starts at a multiple
@@ -43,7 +43,7 @@ class ChunkSpec:
     """Where one chunk lies in the staging buffer, and what it is: the box
     ``(offsets, sizes)`` of ``fqn`` (global ``global_shape``, ``dtype``),
     starting ``byte_offset`` bytes into the buffer, replica ``slot`` (see
-    :func:`dcp.tensors.replica_slot`), copied from a ``device`` type."""
+    :func:`dcp.core.tensors.replica_slot`), copied from a ``device`` type."""
 
     fqn: str
     global_shape: tuple[int, ...]

@@ -4,7 +4,7 @@ backoff with full jitter.
 The core runs every data-file write of a save, and every exchange-file write
 of the file-flag protocol, through :meth:`RetryPolicy.call` of the storage
 plugin's ``retry_policy``; the plugin says which failures are worth another
-attempt (:meth:`dcp.storage.StoragePlugin.is_transient`).  A plugin whose
+attempt (:meth:`dcp.core.storage.StoragePlugin.is_transient`).  A plugin whose
 backend already retries below the plugin interface (the S3 plugin: botocore
 retries each request) reports those failures as final, so no fault is ever
 retried by two layers.

@@ -1,6 +1,6 @@
 """Synchronous save: plan, deduplicate, write, commit.
 
-Phases, each a collective step of :class:`~dcp.coordination.Coordinator` so a
+Phases, each a collective step of :class:`~dcp.coordination.collectives.Coordinator` so a
 failure anywhere fails the save on every rank:
 
 1. *planning* — every rank describes what it holds; the coordinator refuses
@@ -30,16 +30,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dcp import pending, tensors, wire
-from dcp.coordination import Coordinator, CoordinatorBase
+from dcp.orchestration import pending
+
+from dcp.core import tensors
+
+from dcp.coordination import wire
+from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.gc_pause import gc_paused
-from dcp.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.core.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
                           TensorMeta, checksum, decode, encode)
-from dcp.plan_cache import PlanCache
-from dcp.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
-from dcp.state_dict import flatten
-from dcp.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, open_storage
+from dcp.coordination.plan_cache import PlanCache
+from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
+from dcp.core.state_dict import flatten
+from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, open_storage
 
 DATA_SUFFIX = ".data"
 
@@ -203,7 +207,7 @@ class SaveState:
     """What one rank saves: its tensor chunks, keyed by ``(fqn, offsets)``
     (box and data: the caller's tensors for :func:`save`, staged host copies
     for :func:`dcp.async_save`), each chunk's replica slot (see
-    :func:`dcp.tensors.replica_slot`), and its non-tensor values encoded as
+    :func:`dcp.core.tensors.replica_slot`), and its non-tensor values encoded as
     JSON text or, if the caller allowed it, pickled bytes."""
 
     chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = field(default_factory=dict)
@@ -460,9 +464,9 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
             (``torch.Tensor`` = replicated on every rank; ``DTensor``;
             :class:`dcp.TensorShard`) or JSON-representable values.
         checkpoint_id: a path or URI; its scheme picks the storage plugin.
-        planner: the :class:`~dcp.planner.SavePlanner` (default: dedup +
+        planner: the :class:`~dcp.core.planner.SavePlanner` (default: dedup +
             balanced writes, ``planners.save.DefaultSavePlanner``).
-        storage: a ready :class:`~dcp.storage.StoragePlugin` instead of
+        storage: a ready :class:`~dcp.core.storage.StoragePlugin` instead of
             ``open_storage(checkpoint_id, **storage_options)``.
         process_group: the group saving together (default: the default group
             if ``torch.distributed`` is initialized, else a single process).
@@ -474,7 +478,7 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
 
     A save waits first for this process's :func:`dcp.async_save` in flight,
     if any (one save in flight per job).  A save of a structure this group
-    saved before reuses its plan (:mod:`dcp.plan_cache`): the ranks write
+    saved before reuses its plan (:mod:`dcp.coordination.plan_cache`): the ranks write
     right away, and one gather of the write results and one broadcast of
     the commit are all the coordination.
 

@@ -6,7 +6,7 @@ then a trailer holding a magic number, the payload's length and its CRC-32)
 and read with :meth:`StoragePlugin.read_exchange`, which returns ``None``
 for a missing, torn or still-growing file: a reader accepts complete files
 only, and polls the others with exponential backoff (1 ms doubling up to
-50 ms: no busy loop).  Payloads are :mod:`dcp.wire` JSON, never pickles.
+50 ms: no busy loop).  Payloads are :mod:`dcp.coordination.wire` JSON, never pickles.
 
 One step of the save with key ``K`` (names relative to the checkpoint root;
 ``NNN`` is the step number):
@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import time
 
-from dcp import wire
-from dcp.coordination import CoordinatorBase, failure_of
+from dcp.coordination import wire
+from dcp.coordination.collectives import CoordinatorBase, failure_of
 from dcp.errors import CheckpointError
-from dcp.storage import StoragePlugin
+from dcp.core.storage import StoragePlugin
 
 EXCHANGE_PREFIX = ".exchange."
 _FIRST_DELAY, _MAX_DELAY = 0.001, 0.05  # seconds between polls

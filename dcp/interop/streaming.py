@@ -7,7 +7,7 @@ model:
 
 * :func:`read_tensor` — one whole tensor, consolidated from its chunks: each
   chunk's bytes are read straight into their place in the result (the byte
-  runs of :func:`dcp.boxes.byte_runs`), and checked against the chunk's
+  runs of :func:`dcp.core.boxes.byte_runs`), and checked against the chunk's
   checksum where it has one.
 * :class:`CheckpointWriter` — writes a checkpoint tensor by tensor through
   any storage plugin.  Tensors are buffered up to ``buffer_bytes`` and then
@@ -15,9 +15,9 @@ model:
   as :func:`dcp.save` does, so an interrupted conversion leaves no
   checkpoint.
 
-Both work on anything presented as a :class:`~dcp.storage.StoragePlugin`
-with :class:`~dcp.metadata.Metadata`, a safetensors folder included (see
-:mod:`dcp.safetensors_io`).
+Both work on anything presented as a :class:`~dcp.core.storage.StoragePlugin`
+with :class:`~dcp.core.metadata.Metadata`, a safetensors folder included (see
+:mod:`dcp.interop.safetensors_io`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from dcp import tensors
-from dcp.boxes import byte_runs
+from dcp.core import tensors
+from dcp.core.boxes import byte_runs
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, BlobRef, ChunkMeta, Metadata,
+from dcp.core.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, BlobRef, ChunkMeta, Metadata,
                           ObjectMeta, TensorMeta, checksum)
-from dcp.save import (DATA_SUFFIX, commit_metadata, delete_stale, encode_object,
+from dcp.orchestration.save import (DATA_SUFFIX, commit_metadata, delete_stale, encode_object,
                       place_pickled)
-from dcp.storage import StoragePlugin, open_storage
+from dcp.core.storage import StoragePlugin, open_storage
 
 #: Default bytes of tensor data a :class:`CheckpointWriter` gathers into one
 #: data file.

@@ -1,7 +1,7 @@
 """Flattening nested state dicts into fqns, and writing leaves back.
 
 A state dict is a tree of dicts, lists and tuples.  Its leaves are tensors
-(anything :func:`dcp.tensors.is_tensor_like` accepts) and plain values.  The
+(anything :func:`dcp.core.tensors.is_tensor_like` accepts) and plain values.  The
 fqn of a leaf is the dotted path of keys and list indices leading to it:
 ``{"model": {"layers": [{"w": t}]}}`` gives ``model.layers.0.w``.
 

@@ -12,7 +12,7 @@ every later request is a small message.
 For each :class:`SaveJob` it runs the save phases of :mod:`dcp.save` on its
 own thread and GIL, coordinating through the job's channel — its own gloo
 group (``"gloo"``), exchange files on the checkpoint's storage (``"file"``),
-or nothing (``"none"``) — with the :class:`~dcp.plan_cache.PlanCache` it
+or nothing (``"none"``) — with the :class:`~dcp.coordination.plan_cache.PlanCache` it
 keeps across saves (the trainer keeps a copy for a replacement worker), and
 answers one :class:`Outcome`.  If the worker dies
 the trainer sees it at once (:meth:`WorkerHandle.wait` watches the process
@@ -49,17 +49,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dcp.coordination import Coordinator, CoordinatorBase, LocalCoordinator
+from dcp.coordination.collectives import Coordinator, CoordinatorBase, LocalCoordinator
 from dcp.errors import CheckpointError
-from dcp.file_coordination import FileCoordinator
-from dcp.gc_pause import gc_paused
-from dcp.independent import IndependentSave
-from dcp.metadata import Metadata
-from dcp.plan_cache import CacheEntry, PlanCache
-from dcp.planner import SavePlanner, default_planner
-from dcp.save import SaveState, _Save
-from dcp.staging import Layout
-from dcp.storage import StoragePlugin, open_storage
+from dcp.coordination.file_flag import FileCoordinator
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.coordination.independent import IndependentSave
+from dcp.core.metadata import Metadata
+from dcp.coordination.plan_cache import CacheEntry, PlanCache
+from dcp.core.planner import SavePlanner, default_planner
+from dcp.orchestration.save import SaveState, _Save
+from dcp.asynchronous.staging import Layout
+from dcp.core.storage import StoragePlugin, open_storage
 
 #: Seconds a (re)built gloo group waits for every rank's worker to arrive
 #: (at least): covers spawning a replacement worker on a loaded machine.

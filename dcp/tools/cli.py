@@ -3,7 +3,7 @@
 Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 
 * ``hyperdcp demo`` — the main job: a real multi-rank training run saved and
-  resumed under another parallel layout (see :mod:`dcp.demo`).
+  resumed under another parallel layout (see :mod:`dcp.tools.demo`).
 * ``hyperdcp inspect URI`` — format and version, writing ranks, and every
   tensor's shape, dtype, bytes, chunks and writers (``--chunks`` lists each
   chunk; ``--json`` for machine-readable output).
@@ -43,16 +43,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dcp import safetensors_io, torch_dcp_io
-from dcp.diff import diff
+from dcp.interop import safetensors_io
+
+from dcp.interop import torch_dcp_io
+from dcp.tools.diff import diff
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.independent import has_metadata
-from dcp.load import read_metadata
-from dcp.metadata import CHECKSUM, METADATA_FILE
-from dcp.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
-from dcp.storage import open_storage, scheme_of
-from dcp.torch_dcp_io import TORCH_METADATA_FILE
-from dcp.verify import verify
+from dcp.coordination.independent import has_metadata
+from dcp.orchestration.load import read_metadata
+from dcp.core.metadata import CHECKSUM, METADATA_FILE
+from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
+from dcp.core.storage import open_storage, scheme_of
+from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
+from dcp.tools.verify import verify
 
 EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 
@@ -258,7 +260,7 @@ def _convert(args) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from dcp import demo
+    from dcp.tools import demo
 
     return demo.main(argv)
 

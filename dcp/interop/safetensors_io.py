@@ -39,14 +39,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from dcp import tensors
+from dcp.core import tensors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.load import LoadReport, load, read_metadata
-from dcp.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta,
+from dcp.orchestration.load import LoadReport, load, read_metadata
+from dcp.core.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta,
                           check_relative_path, encode)
-from dcp.planner import LoadPlanner
-from dcp.storage import StoragePlugin, open_storage
-from dcp.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
+from dcp.core.planner import LoadPlanner
+from dcp.core.storage import StoragePlugin, open_storage
+from dcp.interop.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
                            read_tensor, renamed)
 
 #: safetensors dtype name -> checkpoint (torch) dtype name.
@@ -321,7 +321,7 @@ def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
 
     Raises:
         CheckpointError: as :class:`SafetensorsFolder` and
-            :class:`dcp.streaming.CheckpointWriter`; nothing is committed.
+            :class:`dcp.interop.streaming.CheckpointWriter`; nothing is committed.
     """
     view = SafetensorsFolder(source, rename=rename, **(source_options or {}))
     md = view.metadata
@@ -354,7 +354,7 @@ class _ShardBuffers(Sequence):
     """The buffers of one ``.safetensors`` file, made on demand: the header,
     then each tensor, read from the checkpoint only when the storage plugin
     asks for it.  A plugin that writes the buffers in turn (as
-    :meth:`~dcp.storage.StoragePlugin.write_file` describes) thus holds one
+    :meth:`~dcp.core.storage.StoragePlugin.write_file` describes) thus holds one
     tensor at a time; one that asks twice reads twice."""
 
     def __init__(self, header: bytes, entries: list[tuple[str, TensorMeta]],
@@ -426,7 +426,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
         progress: show a progress bar (tqdm, bytes) on stderr.
 
     Returns:
-        An :class:`~dcp.streaming.ExportResult`; ``skipped`` lists the
+        An :class:`~dcp.interop.streaming.ExportResult`; ``skipped`` lists the
         checkpoint's non-tensor values, which safetensors cannot hold.
 
     Raises:

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from dcp import retry
+from dcp.core import retry
 from dcp.errors import CheckpointError
-from dcp.metadata import checksum
+from dcp.core.metadata import checksum
 
 ENTRY_POINT_GROUP = "dcp.storage_plugins"
 #: The entry-point name of the generic plugin for any other fsspec URL.
@@ -73,7 +73,7 @@ class StoragePlugin(abc.ABC):
         """Whether a call that raised ``error`` may succeed if attempted
         again (then the core retries it under :attr:`retry_policy`).  The
         default: timeouts, connection errors and ``OSError`` numbers such as
-        ``EIO``, ``ENOSPC``, ``ETIMEDOUT`` (:data:`dcp.retry.TRANSIENT_ERRNOS`).
+        ``EIO``, ``ENOSPC``, ``ETIMEDOUT`` (:data:`dcp.core.retry.TRANSIENT_ERRNOS`).
         A plugin whose backend retries by itself returns ``False`` for the
         failures it has already retried."""
         return retry.is_transient(error)

@@ -34,12 +34,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
 
-from dcp import tensors
+from dcp.core import tensors
 from dcp.errors import CheckpointError, NotACheckpointError
-from dcp.load import read_metadata
-from dcp.metadata import Metadata, TensorMeta
-from dcp.storage import StoragePlugin, open_storage, scheme_of
-from dcp.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
+from dcp.orchestration.load import read_metadata
+from dcp.core.metadata import Metadata, TensorMeta
+from dcp.core.storage import StoragePlugin, open_storage, scheme_of
+from dcp.interop.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
                            read_object, read_tensor, renamed)
 
 #: The file holding a PyTorch DCP checkpoint's (pickled) metadata.
@@ -220,7 +220,7 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
         progress: show a progress bar (tqdm, bytes) on stderr.
 
     Returns:
-        An :class:`~dcp.streaming.ExportResult` (files: torch's).
+        An :class:`~dcp.interop.streaming.ExportResult` (files: torch's).
 
     Raises:
         CheckpointError: destination holds a checkpoint without

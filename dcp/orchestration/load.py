@@ -11,8 +11,8 @@ Phases (each a collective step, so a failure on any rank raises on all):
    allows, else into a host buffer that is then copied (and cast, if
    allowed) into the target — and passes what it read to the others while
    it reads on: through host shared memory to ranks of its own host
-   (:mod:`dcp.host_exchange`), by ``torch.distributed`` broadcast to the
-   rest (:mod:`dcp.broadcast`).
+   (:mod:`dcp.coordination.host_exchange`), by ``torch.distributed`` broadcast to the
+   rest (:mod:`dcp.coordination.broadcast`).
 
 CRC-32C checksums are verified as ``verify`` says: ``"chunks"`` (default)
 checks every read that covers a whole chunk — a read of part of a chunk
@@ -32,19 +32,21 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dcp import pending, tensors
-from dcp.boxes import byte_runs
-from dcp.broadcast import Broadcaster, ReplicaGroups, comm_device
-from dcp.coordination import Coordinator
+from dcp.orchestration import pending
+
+from dcp.core import tensors
+from dcp.core.boxes import byte_runs
+from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
+from dcp.coordination.collectives import Coordinator
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.gc_pause import gc_paused
-from dcp.host_exchange import HostExchange, host_key
-from dcp.independent import read_metadata_bytes
-from dcp.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
-from dcp.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.coordination.host_exchange import HostExchange, host_key
+from dcp.coordination.independent import read_metadata_bytes
+from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
+from dcp.core.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
                          default_planner)
-from dcp.state_dict import flatten
-from dcp.storage import StoragePlugin, open_storage
+from dcp.core.state_dict import flatten
+from dcp.core.storage import StoragePlugin, open_storage
 
 
 @dataclass

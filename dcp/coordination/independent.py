@@ -4,7 +4,7 @@ and reading a checkpoint's metadata whichever way it was committed.
 Without traffic no coordinator can deduplicate, so a fixed rule decides who
 writes a chunk held by several ranks: rank ``r`` writes the chunk ``(fqn,
 offsets)`` when its replica slot ``(index, count)``
-(:func:`dcp.tensors.replica_slot`) satisfies ``index == crc32(fqn@offsets)
+(:func:`dcp.core.tensors.replica_slot`) satisfies ``index == crc32(fqn@offsets)
 % count``.  Plain tensors are replicated on every rank of the group by
 definition, so each is written by one rank, spread by the hash; a DTensor's
 replicas are the ranks that differ only on its ``Replicate`` mesh dimensions,
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import zlib
 
-from dcp.boxes import volume
+from dcp.core.boxes import volume
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
-from dcp.save import SaveState, _Save, data_file_prefix
-from dcp.storage import StoragePlugin
+from dcp.core.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
+from dcp.orchestration.save import SaveState, _Save, data_file_prefix
+from dcp.core.storage import StoragePlugin
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -43,7 +43,7 @@ def _writes(slot: tuple[int, int], fqn: str, offsets: tuple[int, ...]) -> bool:
 
 class IndependentSave(_Save):
     """A save whose every step is local (use with a
-    :class:`~dcp.coordination.LocalCoordinator`): this rank writes the chunks
+    :class:`~dcp.coordination.collectives.LocalCoordinator`): this rank writes the chunks
     and values the rule gives it and commits its own metadata file."""
 
     def __init__(self, describe, *args, **kwargs) -> None:

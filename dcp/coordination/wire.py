@@ -1,6 +1,6 @@
 """A non-executable encoding of coordination payloads (JSON with type tags).
 
-The file-flag protocol (:mod:`dcp.file_coordination`) stores local plans,
+The file-flag protocol (:mod:`dcp.coordination.file_flag`) stores local plans,
 global plans, write results, the committed metadata and failures in exchange
 files on the checkpoint's storage.  They are never pickles: decoding one can
 build only plain values and instances of the classes registered here, so a
@@ -12,7 +12,7 @@ lists as JSON arrays; every other value as a tagged object —
 ``{"t": [...]}`` a tuple, ``{"d": [[key, value], ...]}`` a dict (any
 hashable keys), ``{"b": "<base64>"}`` bytes, ``{"c": name, "f": ...}`` an
 instance of a registered class (a dataclass's fields; the metadata in its
-own JSON format, validated by :func:`dcp.metadata.decode`).
+own JSON format, validated by :func:`dcp.core.metadata.decode`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import json
 from typing import Any, Callable
 
 from dcp.errors import CheckpointError
-from dcp.metadata import ChunkMeta, Metadata
-from dcp.metadata import decode as decode_metadata
-from dcp.metadata import encode as encode_metadata
-from dcp.planner import SavePlan, TensorDecl, WriteItem
+from dcp.core.metadata import ChunkMeta, Metadata
+from dcp.core.metadata import decode as decode_metadata
+from dcp.core.metadata import encode as encode_metadata
+from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 
 _CODECS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 

@@ -1,9 +1,9 @@
 """Asynchronous save: the trainer stalls only to copy its tensors to host.
 
 :func:`async_save` describes the state dict, copies every chunk into a
-reused shared-memory staging buffer (:mod:`dcp.staging`) and returns.
+reused shared-memory staging buffer (:mod:`dcp.asynchronous.staging`) and returns.
 Planning, coordination, writing and commit run in a persistent background
-process per rank (:mod:`dcp.worker`), so the trainer's Python, GIL and
+process per rank (:mod:`dcp.asynchronous.worker`), so the trainer's Python, GIL and
 communicators are untouched while the checkpoint persists.
 
 Coordination of the background processes (``coordination=``):
@@ -12,9 +12,9 @@ Coordination of the background processes (``coordination=``):
   rendezvous store under a prefix unique to this saver (never the trainer's
   groups); rebuilt after a failed save.
 * ``"file"``: the file-flag protocol over the checkpoint's own storage
-  (:mod:`dcp.file_coordination`): no communicator at all.
+  (:mod:`dcp.coordination.file_flag`): no communicator at all.
 * ``"none"``: no cross-rank traffic; each rank commits its own metadata file
-  and readers merge them (:mod:`dcp.independent`).
+  and readers merge them (:mod:`dcp.coordination.independent`).
 
 All ranks of the group must call :func:`async_save` in the same order (it is
 collective, like :func:`dcp.save`).  Once per job, at the first call, the
@@ -23,11 +23,11 @@ compare-and-set each); it makes save ids and exchange-file names unique to
 this job, so a restarted job never mistakes a crashed one's files for its
 own.  Save ``n`` of the job has the id ``<token><n>`` on every rank: no
 exchange is needed to name it, which lets a save with a cached plan skip the
-planning exchange altogether (:mod:`dcp.plan_cache`).
+planning exchange altogether (:mod:`dcp.coordination.plan_cache`).
 
 Ordering: one save in flight per job.  A new :func:`async_save` or
 :func:`dcp.save` first waits for the one in flight; a load should wait for a
-save in flight to its checkpoint (:func:`dcp.pending.wait`), and elsewhere a
+save in flight to its checkpoint (:func:`dcp.orchestration.pending.wait`), and elsewhere a
 checkpoint is never readable before its metadata is committed, last.
 
 Failures: if any rank's background process raises or dies, ``result()``
@@ -59,17 +59,17 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from dcp import pending
-from dcp.coordination import Coordinator
+from dcp.orchestration import pending
+from dcp.coordination.collectives import Coordinator
 from dcp.errors import CheckpointError
-from dcp.gc_pause import gc_paused
-from dcp.metadata import Metadata
-from dcp.plan_cache import PlanCache
-from dcp.planner import SavePlanner
-from dcp.save import describe_state
-from dcp.staging import Layout, Stager
-from dcp.storage import StoragePlugin
-from dcp.worker import Outcome, Rendezvous, SaveJob, WorkerHandle
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.core.metadata import Metadata
+from dcp.coordination.plan_cache import PlanCache
+from dcp.core.planner import SavePlanner
+from dcp.orchestration.save import describe_state
+from dcp.asynchronous.staging import Layout, Stager
+from dcp.core.storage import StoragePlugin
+from dcp.asynchronous.worker import Outcome, Rendezvous, SaveJob, WorkerHandle
 
 COORDINATIONS = ("gloo", "file", "none")
 

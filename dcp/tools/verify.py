@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dcp.load import read_metadata
-from dcp.metadata import METADATA_FILE, Metadata, checksum
-from dcp.storage import StoragePlugin, open_storage
-from dcp.streaming import progress_bar
+from dcp.orchestration.load import read_metadata
+from dcp.core.metadata import METADATA_FILE, Metadata, checksum
+from dcp.core.storage import StoragePlugin, open_storage
+from dcp.interop.streaming import progress_bar
 
 #: Default bytes read per block.
 DEFAULT_BLOCK_BYTES = 16 << 20
@@ -125,7 +125,7 @@ def verify(checkpoint_id: str, *, storage: StoragePlugin | None = None,
     Args:
         checkpoint_id: path or URI of the checkpoint.
         storage: a ready plugin (e.g. a
-            :class:`~dcp.safetensors_io.SafetensorsFolder`) instead of
+            :class:`~dcp.interop.safetensors_io.SafetensorsFolder`) instead of
             ``open_storage(checkpoint_id, **storage_options)``.
         block_bytes: bytes read at a time, per file being read.
         progress: show a progress bar (tqdm, bytes) on stderr.

@@ -66,7 +66,7 @@ class ChunkMeta:
     ``[byte_offset, byte_offset + nbytes)`` of ``file`` hold it in row-major
     order; ``checksum`` is their CRC-32C, or ``None`` where none was recorded
     (chunks of a foreign format presented as a checkpoint, such as a
-    safetensors folder: see :mod:`dcp.safetensors_io`); ``rank`` wrote it.
+    safetensors folder: see :mod:`dcp.interop.safetensors_io`); ``rank`` wrote it.
     """
 
     offsets: tuple[int, ...]

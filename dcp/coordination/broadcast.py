@@ -1,7 +1,7 @@
 """Broadcast of regions read once per replica group (the load side).
 
 The load planner names the replica groups of a load and, in one order that
-every member follows, the batches (:class:`~dcp.planner.Transfer`) each
+every member follows, the batches (:class:`~dcp.core.planner.Transfer`) each
 group's reader sends.  This module creates those groups with
 ``torch.distributed.new_group`` (all ranks, in the plan's order, so they
 agree without extra traffic), runs the broadcasts asynchronously so that a

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcp.errors import CheckpointError
-from dcp.metadata import DTYPE_ITEMSIZE
+from dcp.core.metadata import DTYPE_ITEMSIZE
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
