@@ -11,13 +11,19 @@ Public API: :func:`save`, :func:`async_save`, :func:`load`,
 :class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`.
 """
 
-from dcp.asynchronous.async_save import (AsyncSaveCounters, AsyncSaveResponse, AsyncSaveStats,
-                            AsyncSaveTimeout, async_save, async_save_counters)
+from dcp.asynchronous.async_save import (
+    AsyncSaveCounters,
+    AsyncSaveResponse,
+    AsyncSaveStats,
+    AsyncSaveTimeout,
+    async_save,
+    async_save_counters,
+)
+from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from dcp.core.tensors import TensorShard
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.orchestration.load import LoadReport, load, read_metadata
-from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from dcp.orchestration.save import save
-from dcp.core.tensors import TensorShard
 
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",

@@ -35,8 +35,8 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
 
 import pytest
 import torch
@@ -116,7 +116,8 @@ class StorageConformance:
         buffers = [b"head", bytearray(b""), memoryview(floats.numpy()), _payload(3000, 1),
                    memoryview(_payload(10, 2))]
         storage.write_file("f.data", buffers)
-        assert storage.read_file("f.data") == b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        expected = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+        assert storage.read_file("f.data") == expected
 
     def test_write_empty_file(self, storage):
         """A file may be empty."""
@@ -153,8 +154,9 @@ class StorageConformance:
         spans = [(4000, 96), (0, 1), (10, 0), (100, 900), (500, 600), (1000, 1), (4095, 1),
                  (0, 4096), (2048, 0), (999, 2)]
         buffers = [bytearray(n) for _, n in spans]
-        storage.read_ranges("f.data", [(off, memoryview(buf)) for (off, _), buf in zip(spans, buffers)])
-        for (off, n), buf in zip(spans, buffers):
+        storage.read_ranges("f.data", [(off, memoryview(buf))
+                                       for (off, _), buf in zip(spans, buffers, strict=True)])
+        for (off, n), buf in zip(spans, buffers, strict=True):
             assert bytes(buf) == data[off:off + n], (off, n)
 
     def test_read_ranges_into_typed_memory(self, storage):

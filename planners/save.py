@@ -34,11 +34,12 @@ its lowest-ranked holder (Megatron's "replica 0 writes").
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import defaultdict
 
 from dcp.core.boxes import volume
-from dcp.errors import CheckpointError
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem
+from dcp.errors import CheckpointError
 
 _Key = tuple[str, tuple[int, ...]]
 
@@ -101,7 +102,7 @@ class DefaultSavePlanner(SavePlanner):
                 split, split_load = _assign(pinned, single, pieces)
                 if max(split_load) < max(load):
                     assigned = split
-        return [SavePlan(plan.tensors, mine) for plan, mine in zip(plans, assigned)]
+        return [SavePlan(plan.tensors, mine) for plan, mine in zip(plans, assigned, strict=True)]
 
     def _pieces(self, item: WriteItem, holders: int) -> list[WriteItem]:
         """``item`` cut along dimension 0 into at most ``holders`` near-equal
@@ -116,7 +117,7 @@ class DefaultSavePlanner(SavePlanner):
         bounds = [rows * k // count for k in range(count + 1)]
         return [WriteItem(item.fqn, (item.offsets[0] + lo, *item.offsets[1:]),
                           (hi - lo, *item.sizes[1:]), (hi - lo) * row_bytes)
-                for lo, hi in zip(bounds, bounds[1:])]
+                for lo, hi in itertools.pairwise(bounds)]
 
 
 def _assign(pinned: list[int], single: list[list[WriteItem]],

@@ -44,8 +44,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pytest
 
@@ -235,7 +235,8 @@ class _Outcome:
 
 
 class GroupResult:
-    def __init__(self, world_size: int, keys: list[str], outcomes: dict, group_error: str, secs: float):
+    def __init__(self, world_size: int, keys: list[str], outcomes: dict, group_error: str,
+                 secs: float):
         self.world_size = world_size
         self.keys = keys
         self.outcomes: dict[str, dict[int, _Outcome]] = outcomes
@@ -256,13 +257,15 @@ class GroupResult:
                 lines.append(f"---- rank {rank}: {state} ----")
             elif not out.ok:
                 if out.tb in seen:
-                    lines.append(f"---- rank {rank}: failed with the same traceback as rank {seen[out.tb]} ----")
+                    lines.append(f"---- rank {rank}: failed with the same traceback as "
+                                 f"rank {seen[out.tb]} ----")
                 else:
                     seen[out.tb] = rank
                     lines.append(f"---- rank {rank} traceback ----\n{out.tb}")
         if lines:
             head = f"scenario {key} failed in a world_size={self.world_size} group"
-            unfinished = any(o is None or o.ok is None for o in (per_rank.get(r) for r in range(self.world_size)))
+            unfinished = any(o is None or o.ok is None
+                             for o in (per_rank.get(r) for r in range(self.world_size)))
             if self.group_error and unfinished:
                 head += f"\ngroup error: {self.group_error}"
             raise AssertionError(head + "\n" + "\n".join(lines))

@@ -62,7 +62,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
     """Same shape, same dtype, same bits for every element (NaN-safe)."""
     prefix = f"{what}: " if what else ""
-    assert isinstance(actual, torch.Tensor), f"{prefix}expected a tensor, got {type(actual).__name__}"
+    assert isinstance(actual, torch.Tensor), (
+        f"{prefix}expected a tensor, got {type(actual).__name__}")
     assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
     assert tuple(actual.shape) == tuple(expected.shape), (
         f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"

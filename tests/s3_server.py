@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import s3fs
 
@@ -86,8 +86,9 @@ class FaultProxy:
     A fault is an HTTP status (answered with an S3 error body), ``"reset"``
     (the connection is dropped without an answer), ``"lose-answer"`` (the
     request is served, then the connection is dropped instead of answering)
-    or a function, run in the proxy's thread before the request is forwarded.  ``requests`` records every
-    ``(method, target)`` received; ``idle()`` waits until none is in flight.
+    or a function, run in the proxy's thread before the request is forwarded.
+    ``requests`` records every ``(method, target)`` received; ``idle()`` waits
+    until none is in flight.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -164,7 +165,8 @@ class FaultProxy:
                         proxy._in_flight -= 1
 
             def _drop_connection(self) -> None:
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
                 self.close_connection = True
 
             def _forward(self, fault, body: bytes) -> None:
@@ -183,7 +185,8 @@ class FaultProxy:
                 if callable(fault):
                     fault()
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection", "content-length")}
+                           if k.lower() not in ("transfer-encoding", "connection",
+                                                "content-length")}
                 upstream = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 try:
                     upstream.request(self.command, self.path, body=body or None, headers=headers)
@@ -199,7 +202,8 @@ class FaultProxy:
                     if key.lower() not in ("transfer-encoding", "connection", "content-length",
                                            "date", "server"):
                         self.send_header(key, value)
-                length = response.getheader("Content-Length") if self.command == "HEAD" else len(data)
+                length = (response.getheader("Content-Length") if self.command == "HEAD"
+                          else len(data))
                 self.send_header("Content-Length", str(length or 0))
                 self.end_headers()
                 if self.command != "HEAD":

@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import dcp
-from dcp.coordination import wire
 from dcp.asynchronous.async_save import async_save_counters
+from dcp.coordination import wire
 from dcp.coordination.file_flag import EXCHANGE_PREFIX, FileCoordinator
 from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 from dist_harness import dist_scenario
@@ -82,7 +82,8 @@ def state(ctx, seed: int, placements="S0", mesh=None, tag: str = "") -> dict:
 def zeros_like_state(sd) -> dict:
     def zero(v):
         if isinstance(v, DTensor):
-            return make_dtensor(torch.zeros(v.shape, dtype=v.dtype), v.device_mesh, list(v.placements))
+            return make_dtensor(torch.zeros(v.shape, dtype=v.dtype), v.device_mesh,
+                                list(v.placements))
         if isinstance(v, torch.Tensor):
             return torch.zeros(v.shape, dtype=v.dtype)
         if isinstance(v, dict):
@@ -148,7 +149,7 @@ def test_mutate_after_return_every_mode_w2(ctx):
         sd = state(ctx, 10 + i)
         called = threading.Event()
         response = dcp.async_save(sd, str(path), coordination=mode,
-                                  callback=lambda r: called.set())
+                                  callback=lambda r, called=called: called.set())
         assert response.staged.done()
         mutate(sd)
         md = response.result(WAIT)
@@ -176,12 +177,13 @@ def test_plan_cache_hit_then_invalidated_by_resharding_w2(ctx):
     (rank 0 hits, writes speculatively, and must replan): a correct
     checkpoint with no stray files."""
     for mode in ("gloo", "file"):
+        # save() runs only within this iteration: its late read of mode is safe (B023)
         def save(seed, placements, extra=False):
-            sd = state(ctx, seed, placements, tag=mode)
+            sd = state(ctx, seed, placements, tag=mode)  # noqa: B023
             if extra and ctx.rank == 1:
                 sd["extra"] = dcp.TensorShard(randn((64, 64), 99), (64, 64), (0, 0))
-            path = ctx.dir / f"{mode}{seed}"
-            response = dcp.async_save(sd, str(path), coordination=mode)
+            path = ctx.dir / f"{mode}{seed}"  # noqa: B023
+            response = dcp.async_save(sd, str(path), coordination=mode)  # noqa: B023
             md = response.result(WAIT)
             return response, md, path
 
@@ -384,7 +386,8 @@ def test_single_process_async_save_mutate_after_return(tmp_path):
         if isinstance(v, torch.Tensor):
             v.logical_not_() if v.dtype == torch.bool else v.add_(1)
     response.result(WAIT)
-    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+              for k, v in sd.items()}
     dcp.load(target, str(tmp_path / "a"))
     for k, v in expected.items():
         if isinstance(v, torch.Tensor):
@@ -516,7 +519,8 @@ def test_file_protocol_steps_failures_timeouts_and_cleanup(tmp_path):
     results, _ = run_ranks("fail", failing)
     for rank in range(world):
         assert isinstance(results[rank], dcp.CheckpointError), results
-        assert "writing failed on rank 2" in str(results[rank]) and "disk on fire" in str(results[rank])
+        assert ("writing failed on rank 2" in str(results[rank])
+                and "disk on fire" in str(results[rank]))
     assert not exchange_files(tmp_path)
 
     results, storages = run_ranks("missing", body, ranks=(0, 1), timeout=0.6)

@@ -74,9 +74,11 @@ def test_replicated_state_is_read_once_and_balanced(ctx):
 def test_dp2_tp2_reads_each_tp_shard_once(ctx):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(3)
-    full = {"a": torch.randn(64, 48, generator=g), "b": torch.randn(30, 7, generator=g).to(torch.bfloat16),
+    full = {"a": torch.randn(64, 48, generator=g),
+            "b": torch.randn(30, 7, generator=g).to(torch.bfloat16),
             "c": torch.randint(0, 100, (9,), generator=g)}
-    placements = {"a": [Replicate(), Shard(0)], "b": [Replicate(), Shard(1)], "c": [Replicate(), Replicate()]}
+    placements = {"a": [Replicate(), Shard(0)], "b": [Replicate(), Shard(1)],
+                  "c": [Replicate(), Replicate()]}
     sd = {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 import dcp
 import s3_server
-from dcp.tools.cli import main
 from dcp.core.metadata import CHECKSUM
+from dcp.tools.cli import main
 from dcp.tools.verify import verify
 from helpers import assert_bitwise_equal, randn
 from storage_plugins.shm import DEFAULT_ROOT
@@ -66,7 +66,8 @@ def test_inspect_lists_tensors_chunks_bytes_ranks_and_version(ckpt, capsys):
     assert code == 0
     assert "hyperdcp format v1, saved by 1 rank(s), 4 tensors, 1 values" in out
     assert "model.w: float32[4, 6] 96 B, 1 chunk(s), written by rank(s) [0]" in out
-    assert "model.s: bfloat16[] 2 B, 1 chunk(s)" in out and "model.e: float32[0, 3] 0 B, 0 chunk(s)" in out
+    assert ("model.s: bfloat16[] 2 B, 1 chunk(s)" in out
+            and "model.e: float32[0, 3] 0 B, 0 chunk(s)" in out)
     assert f"{CHECKSUM} 0x" in out and "step: 7" in out
 
     code, out, _ = _run(capsys, "inspect", f"file://{ckpt}", "--json")
@@ -148,7 +149,8 @@ def test_convert_in_every_direction(ckpt, tmp_path, capsys):
                         "--max-shard-size", "64B")
     assert code == 0 and "note: safetensors holds tensors only; skipped 1 value(s): step" in out
     assert len(list((tmp_path / "st").glob("model-*-of-*.safetensors"))) == 2
-    assert _run(capsys, "diff", str(ckpt), str(tmp_path / "st"))[0] == 4  # the value is missing there
+    # the value is missing there
+    assert _run(capsys, "diff", str(ckpt), str(tmp_path / "st"))[0] == 4
     assert _run(capsys, "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors")[0] == 1
     assert _run(capsys, "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors",
                 "--overwrite")[0] == 0
@@ -158,13 +160,15 @@ def test_convert_in_every_direction(ckpt, tmp_path, capsys):
     assert code == 1 and "pickle" in err and "--trust-pickle" in err
     code, _, err = _run(capsys, "inspect", str(tmp_path / "torch"))
     assert code == 1 and "--trust-pickle" in err
-    assert _run(capsys, "convert", str(tmp_path / "torch"), str(tmp_path / "back"), "--trust-pickle")[0] == 0
+    assert _run(capsys, "convert", str(tmp_path / "torch"), str(tmp_path / "back"),
+                "--trust-pickle")[0] == 0
     assert _run(capsys, "diff", str(ckpt), str(tmp_path / "back"))[0] == 0
 
     (tmp_path / "rename.json").write_text(json.dumps({"model.w": "W"}))
     assert _run(capsys, "convert", str(ckpt), str(tmp_path / "renamed"), "--to", "safetensors",
                 "--rename-map", str(tmp_path / "rename.json"))[0] == 0
-    assert_bitwise_equal(load_file(tmp_path / "renamed" / "model.safetensors")["W"], _state()["model"]["w"])
+    assert_bitwise_equal(load_file(tmp_path / "renamed" / "model.safetensors")["W"],
+                         _state()["model"]["w"])
     code, _, err = _run(capsys, "convert", str(ckpt), str(tmp_path / "bad"), "--to", "safetensors",
                         "--rename-map", str(tmp_path / "rename.json"), "-o", "nonsense")
     assert code == 2 and "nonsense" in err  # a malformed command line
@@ -185,7 +189,8 @@ def _plugin_uri(scheme: str, tmp_path: Path) -> tuple[str, list[str]]:
         return f"sqlite://{tmp_path}", []
     assert scheme == "s3"
     options = s3_server.options(s3_server.endpoint())
-    return s3_server.fresh_url("cli"), [arg for k, v in options.items() for arg in ("-o", f"s3:{k}={v}")]
+    return s3_server.fresh_url("cli"), [arg for k, v in options.items()
+                                        for arg in ("-o", f"s3:{k}={v}")]
 
 
 @pytest.mark.parametrize("scheme", ["path", "file", "memory", "shm", "sqlite", "s3"])
@@ -202,8 +207,10 @@ def test_every_command_on_every_storage_plugin(scheme, tmp_path, capsys):
         assert _run(capsys, "convert", *options, str(tmp_path / "hf"), ckpt)[0] == 0
         code, out, _ = _run(capsys, "inspect", *options, ckpt)
         assert code == 0 and "w: float32[8, 4] 128 B" in out
-        assert _run(capsys, "verify", *options, ckpt)[:2] == (0, f"{ckpt}: 2 checksum(s) match, 0 damaged, 138 bytes read\n")
-        assert _run(capsys, "convert", *options, ckpt, st, "--to", "safetensors", "--max-shard-size", "100B")[0] == 0
+        assert _run(capsys, "verify", *options, ckpt)[:2] == (
+            0, f"{ckpt}: 2 checksum(s) match, 0 damaged, 138 bytes read\n")
+        assert _run(capsys, "convert", *options, ckpt, st, "--to", "safetensors",
+                    "--max-shard-size", "100B")[0] == 0
         code, out, _ = _run(capsys, "verify", *options, st)  # a safetensors folder on the plugin
         assert code == 0 and "2 chunk(s) carry no checksum" in out
         assert _run(capsys, "diff", *options, ckpt, st)[0] == 0

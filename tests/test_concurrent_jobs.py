@@ -34,8 +34,8 @@ class MeetingPlanner(SavePlanner):
 
 
 def _state(seed: int) -> dict:
-    return {"w": random_tensor((128, 64), torch.float32, seed), "b": random_tensor((33,), torch.int64, seed + 1),
-            "step": seed}
+    return {"w": random_tensor((128, 64), torch.float32, seed),
+            "b": random_tensor((33,), torch.int64, seed + 1), "step": seed}
 
 
 def _load(checkpoint_id: str, options: dict) -> dict:
@@ -83,7 +83,8 @@ def test_two_jobs_saving_to_one_checkpoint_id_commit_once(kind, tmp_path):
     assert "another save committed a checkpoint here first" in str(error) and url in str(error)
     _assert_state(_load(url, options), winner)
     assert verify(url, storage_options=options).ok
-    assert sorted(open_storage(url, **options).list_files()) == sorted(md.files() | {"metadata.json"})
+    listed = sorted(open_storage(url, **options).list_files())
+    assert listed == sorted(md.files() | {"metadata.json"})
 
 
 @pytest.mark.parametrize("kind", ["posix", "s3"])

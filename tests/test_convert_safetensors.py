@@ -19,9 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dcp
+from dcp.interop.safetensors_io import (
+    SAFETENSORS_DTYPES,
+    SafetensorsFolder,
+    checkpoint_to_safetensors,
+    load_safetensors,
+    parse_size,
+    safetensors_to_checkpoint,
+)
 from dcp.tools.diff import diff
-from dcp.interop.safetensors_io import (SAFETENSORS_DTYPES, SafetensorsFolder, checkpoint_to_safetensors,
-                                load_safetensors, parse_size, safetensors_to_checkpoint)
 from dcp.tools.verify import verify
 from helpers import assert_bitwise_equal, assert_names, random_tensor
 
@@ -94,7 +100,8 @@ def test_every_dtype_scalars_and_empty_tensors_round_trip(tmp_path):
 
 
 def test_sharded_export_follows_max_shard_size_and_imports_back(tmp_path):
-    sd = {f"layer.{i}.w": random_tensor((64, 16), torch.float32, seed=i) for i in range(6)}  # 4 KiB each
+    sd = {f"layer.{i}.w": random_tensor((64, 16), torch.float32, seed=i)  # 4 KiB each
+          for i in range(6)}
     sd["big"] = random_tensor((40, 64), torch.float32, seed=9)  # 10 KiB: over the limit, alone
     sd["pos"] = torch.arange(7)
     safetensors_to_checkpoint(str(_write(tmp_path / "in", sd)), str(tmp_path / "ckpt"))
@@ -103,7 +110,8 @@ def test_sharded_export_follows_max_shard_size_and_imports_back(tmp_path):
                                        max_shard_size="9KiB", metadata={"origin": "test"})
     shards = [f for f in result.files if f.endswith(".safetensors")]
     assert result.files[-1] == "model.safetensors.index.json"
-    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    assert shards == [f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                      for k in range(1, len(shards) + 1)]
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in sd.values())
     assert set(index["weight_map"]) == set(sd) and set(index["weight_map"].values()) == set(shards)
@@ -140,7 +148,8 @@ def test_folder_written_by_the_library_with_index_imports(tmp_path):
 
 
 def test_rename_map_both_ways_and_its_errors(tmp_path):
-    sd = {"bert.embeddings.weight": random_tensor((4, 3), seed=1), "bert.pooler.bias": random_tensor((3,), seed=2)}
+    sd = {"bert.embeddings.weight": random_tensor((4, 3), seed=1),
+          "bert.pooler.bias": random_tensor((3,), seed=2)}
     folder = _write(tmp_path / "in", sd)
     md = safetensors_to_checkpoint(str(folder), str(tmp_path / "ckpt"),
                                    rename={"bert.embeddings.weight": "emb.w"})
@@ -193,8 +202,10 @@ def test_malformed_and_unsupported_inputs_name_the_file_and_tensor(tmp_path):
     folder = tmp_path / "f"
     folder.mkdir()
     cases = [
-        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, "'w'"),  # short file
-        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 12, "data_offsets"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8,  # short file
+         "'w'"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 12,
+         "data_offsets"),
         ({"w": {"dtype": "X9", "shape": [1], "data_offsets": [0, 1]}}, b"\0", "X9"),
         ({"q": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "F4"),
         ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}, b"", "shape"),
@@ -209,13 +220,13 @@ def test_malformed_and_unsupported_inputs_name_the_file_and_tensor(tmp_path):
     path = folder / "huge.safetensors"
     path.write_bytes(struct.pack("<Q", 2**40) + b"{}")
     with pytest.raises(dcp.CorruptCheckpointError, match="huge.safetensors.*header length"):
-        SafetensorsFolder(str(path)).metadata
+        _ = SafetensorsFolder(str(path)).metadata
 
     hf = _write(tmp_path / "hf", {"a": torch.ones(2)})
     (hf / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model.safetensors", "b": "model-00002.safetensors"}}))
     with pytest.raises(dcp.CorruptCheckpointError) as e:
-        SafetensorsFolder(str(hf)).metadata
+        _ = SafetensorsFolder(str(hf)).metadata
     assert_names(str(e.value), "model-00002.safetensors")
     with pytest.raises(dcp.NotACheckpointError):
         safetensors_to_checkpoint(str(tmp_path / "empty-dir"), str(tmp_path / "x"))
@@ -286,7 +297,8 @@ def test_conversions_stream_with_memory_bounded_by_the_largest_tensor(tmp_path):
     for what, extra in (("import", import_extra), ("export", export_extra)):
         # streaming needs ~12 MiB (a tensor and the 8 MiB buffer) plus first-use overheads;
         # holding the model would need 128 MiB
-        assert extra < model / 2, f"{what} grew RSS by {extra / 2**20:.1f} MiB for a {model >> 20} MiB model"
+        assert extra < model / 2, (
+            f"{what} grew RSS by {extra / 2**20:.1f} MiB for a {model >> 20} MiB model")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 2
     with safe_open(tmp_path / "out" / "model-00002-of-00002.safetensors", "pt") as f:
         assert math.isclose(float(f.get_tensor("layer.31")[0]), 31.0)

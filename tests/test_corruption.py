@@ -75,7 +75,8 @@ def test_a_flipped_byte_anywhere_in_each_data_file(pristine, ckpt, capsys, seed)
         path.write_bytes(bytes(data))
         message = _load_error(ckpt)
         assert isinstance(message, str) and "checksum mismatch" in message, message
-        assert f"{fqn!r}" in message and f"offsets {list(chunk.offsets)}" in message and file in message
+        assert (f"{fqn!r}" in message and f"offsets {list(chunk.offsets)}" in message
+                and file in message)
         report = verify(str(ckpt))
         assert [(d.what, d.file) for d in report.damaged] == [
             (f"tensor {fqn!r} chunk at offsets {list(chunk.offsets)}", file)]
@@ -123,9 +124,11 @@ def test_a_truncated_or_garbled_metadata_file(ckpt, capsys, damage):
         path.write_bytes(bytes(garbled))
     else:
         path.write_bytes(b"")
-    problem = {"truncate": "not JSON", "garble": "tensors must be an object", "empty": "not JSON"}[damage]
+    problem = {"truncate": "not JSON", "garble": "tensors must be an object",
+               "empty": "not JSON"}[damage]
     message = _load_error(ckpt)
-    assert "metadata.json" in message and "invalid metadata" in message and problem in message, message
+    assert ("metadata.json" in message and "invalid metadata" in message
+            and problem in message), message
     with pytest.raises(dcp.CorruptCheckpointError, match=problem):
         verify(str(ckpt))
     code, text = _verify_cli(ckpt, capsys)

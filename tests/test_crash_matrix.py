@@ -73,10 +73,12 @@ def table() -> str:
     """The matrix as the Markdown table of docs/reliability.md."""
     rows = ["| save | process killed | " + " | ".join(PHASES) + " |",
             "|---|---|" + "---|" * len(PHASES)]
-    for mode, who in (("sync", "rank {r} ({v})"), ("async", "background process of rank {r} ({v})")):
+    for mode, who in (("sync", "rank {r} ({v})"),
+                      ("async", "background process of rank {r} ({v})")):
         for victim in VICTIMS:
             label = who.format(r=victim_rank(victim), v=victim)
-            rows.append(f"| {mode} | {label} | " + " | ".join(expected(victim, p) for p in PHASES) + " |")
+            rows.append(f"| {mode} | {label} | "
+                        + " | ".join(expected(victim, p) for p in PHASES) + " |")
     return "\n".join(rows)
 
 
@@ -92,8 +94,8 @@ def state(rank: int, world: int, seed: int) -> dict:
     """A rank's part: row shards of a float32 matrix, a replicated bf16
     tensor, a JSON value (~20 KiB per rank)."""
     full = random_tensor((world * ROWS, 256), torch.float32, seed)
-    return {"model": {"w": dcp.TensorShard(full[rank * ROWS:(rank + 1) * ROWS].clone(), tuple(full.shape),
-                                           (rank * ROWS, 0)),
+    return {"model": {"w": dcp.TensorShard(full[rank * ROWS:(rank + 1) * ROWS].clone(),
+                                           tuple(full.shape), (rank * ROWS, 0)),
                       "b": random_tensor((64, 64), torch.bfloat16, seed + 1)},
             "step": seed}
 
@@ -106,7 +108,8 @@ def whole(world: int, seed: int) -> dict:
 
 
 def zeros(world: int) -> dict:
-    return {"model": {"w": torch.zeros(world * ROWS, 256), "b": torch.zeros(64, 64, dtype=torch.bfloat16)},
+    return {"model": {"w": torch.zeros(world * ROWS, 256),
+                      "b": torch.zeros(64, 64, dtype=torch.bfloat16)},
             "step": 0}
 
 
@@ -118,13 +121,15 @@ def check_checkpoints(cell: str, prev: str, new: str, world: int, outcome: str, 
     target = zeros(world)
     dcp.load(target, prev, storage_options=options, process_group=process_group)
     for key in ("w", "b"):
-        assert_bitwise_equal(target["model"][key], whole(world, 1)["model"][key], f"{cell}: previous {key}")
+        assert_bitwise_equal(target["model"][key], whole(world, 1)["model"][key],
+                             f"{cell}: previous {key}")
     assert target["step"] == 1
     target = zeros(world)
     if outcome == "committed":
         dcp.load(target, new, storage_options=options, process_group=process_group)
         for key in ("w", "b"):
-            assert_bitwise_equal(target["model"][key], whole(world, 2)["model"][key], f"{cell}: new {key}")
+            assert_bitwise_equal(target["model"][key], whole(world, 2)["model"][key],
+                                 f"{cell}: new {key}")
         assert target["step"] == 2
         report = verify(new, storage_options=options)
         if not report.ok or report.checked != world + 1:
@@ -145,7 +150,8 @@ def check_survivor(cell: str, rank: int, record: dict | None, outcome: str) -> l
     if record["result"] == "returned" and outcome != "committed":
         problems.append(f"{cell}: rank {rank}'s save returned though nothing was committed")
     if record["result"] == "raised" and not record["checkpoint_error"]:
-        problems.append(f"{cell}: rank {rank} raised something other than CheckpointError: {record['error']}")
+        problems.append(f"{cell}: rank {rank} raised something other than CheckpointError: "
+                        f"{record['error']}")
     if record["secs"] > TIMEOUT_S + SLACK_S:
         problems.append(f"{cell}: rank {rank} took {record['secs']:.1f} s (timeout {TIMEOUT_S} s)")
     return problems
@@ -248,7 +254,7 @@ def test_crash_matrix_async(ctx):
                 if kind == "posix":
                     root, options = str(ctx.dir / label), {"thread_count": 2}
                 else:
-                    root = _shared(lambda: s3_server.fresh_url(label))
+                    root = _shared(lambda: s3_server.fresh_url(label))  # noqa: B023 (called right here)
                     options = s3_server.options(endpoint, thread_count=2)
                 prev, new = f"{root}/prev", f"{root}/new"
                 pid_dir = ctx.dir / f"pids-{label}"

@@ -19,8 +19,8 @@ from helpers import (
     assert_bitwise_equal,
     data_bytes_on_disk,
     make_dtensor,
-    random_tensor,
     randn,
+    random_tensor,
 )
 from planners.save import DefaultSavePlanner
 
@@ -51,14 +51,17 @@ def _assert_disk_within_1pct(ckpt, unique: int) -> None:
 @dist_scenario(world_size=4)
 def test_dp4_replicated_state_is_written_once_and_balanced(ctx):
     # 16 equal replicated plain tensors of 256 KiB: 4 MiB unique, 16 MiB held.
-    sd = {"model": {f"p{i:02d}": random_tensor((256, 256), torch.float32, seed=i) for i in range(16)},
+    sd = {"model": {f"p{i:02d}": random_tensor((256, 256), torch.float32, seed=i)
+                    for i in range(16)},
           "step": 4}
     unique = 16 * 256 * 256 * 4
     ckpt = ctx.dir / "ckpt"
     md = dcp.save(sd, str(ckpt))
     for fqn, t in md.tensors.items():
-        assert len(t.chunks) == 1, f"{fqn}: {len(t.chunks)} chunks written for one replicated tensor"
-    assert _chunks_per_rank(md) == {0: 4, 1: 4, 2: 4, 3: 4}, f"per-rank writes {_chunks_per_rank(md)}"
+        assert len(t.chunks) == 1, (
+            f"{fqn}: {len(t.chunks)} chunks written for one replicated tensor")
+    assert _chunks_per_rank(md) == {0: 4, 1: 4, 2: 4, 3: 4}, (
+        f"per-rank writes {_chunks_per_rank(md)}")
     ctx.barrier()
     _assert_disk_within_1pct(ckpt, unique)
 
@@ -69,7 +72,8 @@ def test_dp4_replicated_state_is_written_once_and_balanced(ctx):
     assert target["step"] == 4
 
     # save_to_minimum_rank=True: every replicated chunk written by rank 0.
-    md_min = dcp.save(sd, str(ctx.dir / "min_rank"), planner=DefaultSavePlanner(save_to_minimum_rank=True))
+    md_min = dcp.save(sd, str(ctx.dir / "min_rank"),
+                      planner=DefaultSavePlanner(save_to_minimum_rank=True))
     assert _chunks_per_rank(md_min) == {0: 16}, f"per-rank writes {_chunks_per_rank(md_min)}"
     ctx.barrier()
     _assert_disk_within_1pct(ctx.dir / "min_rank", unique)
@@ -109,7 +113,8 @@ def test_replicated_sizes_3_1_1_1_on_two_ranks_balance_3_to_3(ctx):
     ckpt = ctx.dir / "ckpt"
     md = dcp.save(sd, str(ckpt))
     per_rank = _written_bytes_per_rank(md)
-    assert per_rank == {0: 3 * unit * 4, 1: 3 * unit * 4}, f"written bytes per rank {per_rank}, expected 3:3"
+    assert per_rank == {0: 3 * unit * 4, 1: 3 * unit * 4}, (
+        f"written bytes per rank {per_rank}, expected 3:3")
     ctx.barrier()
     _assert_disk_within_1pct(ckpt, 6 * unit * 4)
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
@@ -231,7 +236,8 @@ def test_diverged_replicas_fail_save_on_all_ranks_naming_the_fqn(ctx):
 
 
 def _sixteen_tensors(seed: int) -> dict:
-    return {f"layer{i:02d}": {"w": random_tensor((64, 64), torch.float32, seed + i)} for i in range(16)}
+    return {f"layer{i:02d}": {"w": random_tensor((64, 64), torch.float32, seed + i)}
+            for i in range(16)}
 
 
 @dist_scenario(world_size=4, last=True)
@@ -252,16 +258,20 @@ def test_io_error_in_one_writer_thread_on_one_rank_fails_everywhere(ctx):
         msg = str(ei.value)
         if ctx.rank == 1:
             assert storage.failed_name is not None, "precondition: the injected error fired"
-            assert storage.failed_in_thread != "MainThread", "precondition: the error starts in a writer thread"
+            assert storage.failed_in_thread != "MainThread", (
+                "precondition: the error starts in a writer thread")
         else:
-            assert _names_rank(msg, 1), f"rank {ctx.rank}: error does not name failing rank 1: {msg!r}"
+            assert _names_rank(msg, 1), (
+                f"rank {ctx.rank}: error does not name failing rank 1: {msg!r}")
         ctx.barrier()
-        assert (ckpt / "metadata.json").read_bytes() == before, f"fail_on={fail_on}: metadata.json changed"
+        assert (ckpt / "metadata.json").read_bytes() == before, (
+            f"fail_on={fail_on}: metadata.json changed")
 
         target = {k: {"w": torch.zeros(64, 64)} for k in first}
         dcp.load(target, str(ckpt))
         for k in first:
-            assert_bitwise_equal(target[k]["w"], first[k]["w"], f"fail_on={fail_on}: {k} of the first checkpoint")
+            assert_bitwise_equal(target[k]["w"], first[k]["w"],
+                                 f"fail_on={fail_on}: {k} of the first checkpoint")
         ctx.barrier()
 
 
@@ -289,7 +299,8 @@ def test_existing_checkpoint_needs_overwrite_on_all_ranks(ctx):
 @dist_scenario(world_size=4, last=True)
 def test_corrupt_or_missing_checkpoint_fails_load_on_all_ranks(ctx):
     ckpt = ctx.dir / "ckpt"
-    sd = {"alpha": random_tensor((64, 64), torch.float32, 1), "beta": random_tensor((64, 64), torch.float32, 2)}
+    sd = {"alpha": random_tensor((64, 64), torch.float32, 1),
+          "beta": random_tensor((64, 64), torch.float32, 2)}
     md = dcp.save(sd, str(ckpt))
     ctx.barrier()
     (chunk,) = md.tensors["beta"].chunks

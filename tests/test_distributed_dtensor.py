@@ -7,7 +7,6 @@ Every ``@dist_scenario`` runs inside the one shared W=4 group of the session
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -36,9 +35,10 @@ def _assert_chunks_tile(md, fqn):
     t = md.tensors[fqn]
     covered = torch.zeros(t.shape, dtype=torch.int32)
     for c in t.chunks:
-        sl = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+        sl = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
         covered[sl] += 1
-    assert torch.all(covered == 1), f"{fqn}: chunks {[(c.offsets, c.sizes) for c in t.chunks]} do not tile {t.shape}"
+    assert torch.all(covered == 1), (
+        f"{fqn}: chunks {[(c.offsets, c.sizes) for c in t.chunks]} do not tile {t.shape}")
 
 
 # (fqn, global shape, dtype, placements on the 1-D mesh of 4 ranks)
@@ -68,7 +68,8 @@ def test_dtensor_1d_round_trip_with_uneven_and_empty_shards(ctx):
     for f, shape, dtype, _ in _CASES_1D:
         fqn = f"model.{f}"
         assert md.tensors[fqn].shape == shape, (fqn, md.tensors[fqn].shape)
-        assert md.tensors[fqn].dtype == str(dtype).removeprefix("torch."), (fqn, md.tensors[fqn].dtype)
+        assert md.tensors[fqn].dtype == str(dtype).removeprefix("torch."), (
+            fqn, md.tensors[fqn].dtype)
         _assert_chunks_tile(md, fqn)
 
     target = {"model": {f: zeros_dtensor(s, d, mesh, p) for f, s, d, p in _CASES_1D}, "step": 0}
@@ -104,7 +105,8 @@ _CASES_2D = [
 @dist_scenario(world_size=4)
 def test_dtensor_2d_mesh_round_trip(ctx):
     mesh = _mesh_2d()
-    fulls = {f: random_tensor(s, torch.float32, seed=10 + i) for i, (f, s, _) in enumerate(_CASES_2D)}
+    fulls = {f: random_tensor(s, torch.float32, seed=10 + i)
+             for i, (f, s, _) in enumerate(_CASES_2D)}
     sd = {f: make_dtensor(fulls[f], mesh, p) for f, _, p in _CASES_2D}
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)
@@ -127,7 +129,8 @@ def test_reshard_1d_to_other_1d_placements(ctx):
         "d": ((5, 6), "S1", ["S0"]),  # 2,2,2,0 cols -> 2,2,1,0 rows
         "e": ((9,), "R", ["S0"]),
     }
-    fulls = {f: random_tensor(s, torch.float32, seed=20 + i) for i, (f, (s, _, _)) in enumerate(cases.items())}
+    fulls = {f: random_tensor(s, torch.float32, seed=20 + i)
+             for i, (f, (s, _, _)) in enumerate(cases.items())}
     ckpt = str(ctx.dir / "ckpt")
     dcp.save({f: make_dtensor(fulls[f], mesh, p) for f, (_, p, _) in cases.items()}, ckpt)
     for round_ in range(2):
@@ -144,7 +147,8 @@ def test_reshard_1d_to_other_1d_placements(ctx):
 def test_reshard_2d_mesh_to_1d_mesh_and_back(ctx):
     mesh1, mesh2 = _mesh_1d(), _mesh_2d()
     shapes = {"w": (8, 6), "u": (7, 5), "v": (6, 6)}
-    fulls = {f: random_tensor(s, torch.bfloat16, seed=30 + i) for i, (f, s) in enumerate(shapes.items())}
+    fulls = {f: random_tensor(s, torch.bfloat16, seed=30 + i)
+             for i, (f, s) in enumerate(shapes.items())}
     saved_2d = {"w": "S0,S1", "u": "S0,S1", "v": "R,S0"}
     ckpt2d = str(ctx.dir / "from2d")
     dcp.save({f: make_dtensor(fulls[f], mesh2, saved_2d[f]) for f in shapes}, ckpt2d)
@@ -152,7 +156,8 @@ def test_reshard_2d_mesh_to_1d_mesh_and_back(ctx):
         target = {f: zeros_dtensor(s, torch.bfloat16, mesh1, placement) for f, s in shapes.items()}
         dcp.load(target, ckpt2d)
         for f in shapes:
-            assert_dtensor_equals_full(target[f], fulls[f], f"{f}: 2-D {saved_2d[f]} -> 1-D {placement}")
+            assert_dtensor_equals_full(target[f], fulls[f],
+                                       f"{f}: 2-D {saved_2d[f]} -> 1-D {placement}")
     # and a 2-D -> 2-D change of layout
     target = {f: zeros_dtensor(s, torch.bfloat16, mesh2, "S1,S0") for f, s in shapes.items()}
     dcp.load(target, ckpt2d)
@@ -178,7 +183,8 @@ def test_tensor_shard_descriptors_round_trip_and_reshard(ctx):
     lo, hi = ragged_rows[r]
     sd = {
         "rows": dcp.TensorShard(rows[2 * r:2 * r + 2].clone(), (8, 6), (2 * r, 0)),
-        "grid": dcp.TensorShard(grid[2 * gr:2 * gr + 2, 3 * gc:3 * gc + 3].clone(), (4, 6), (2 * gr, 3 * gc)),
+        "grid": dcp.TensorShard(grid[2 * gr:2 * gr + 2, 3 * gc:3 * gc + 3].clone(), (4, 6),
+                                (2 * gr, 3 * gc)),
         "ragged": dcp.TensorShard(ragged[lo:hi].clone(), (10, 3), (lo, 0)),
     }
     ckpt = str(ctx.dir / "ckpt")
@@ -192,7 +198,8 @@ def test_tensor_shard_descriptors_round_trip_and_reshard(ctx):
     target = {
         "rows": dcp.TensorShard(torch.zeros(8, col_hi - col_lo), (8, 6), (0, col_lo)),
         "grid": dcp.TensorShard(torch.zeros(1, 6, dtype=torch.int16), (4, 6), (r, 0)),
-        "ragged": dcp.TensorShard(torch.zeros(3, 3, dtype=torch.float16), (10, 3), (min(3 * r, 7), 0)),
+        "ragged": dcp.TensorShard(torch.zeros(3, 3, dtype=torch.float16), (10, 3),
+                                  (min(3 * r, 7), 0)),
     }
     dcp.load(target, ckpt)
     assert_bitwise_equal(target["rows"].data, rows[:, col_lo:col_hi], "rows")
@@ -225,11 +232,13 @@ def test_replicated_plain_tensors_of_every_dtype_with_nan_bits(ctx):
         sd[f"scalars.{name}"] = random_tensor((), dtype, seed=80 + i)
     nan = torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0])
     sd["nans"] = nan
-    assert torch.isnan(sd["float32"]).any() or torch.isnan(sd["float64"]).any(), "precondition: NaNs present"
+    assert torch.isnan(sd["float32"]).any() or torch.isnan(sd["float64"]).any(), (
+        "precondition: NaNs present")
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)
     for fqn in sd:
-        assert len(md.tensors[fqn].chunks) == 1, f"{fqn}: replicated tensor saved {len(md.tensors[fqn].chunks)} times"
+        assert len(md.tensors[fqn].chunks) == 1, (
+            f"{fqn}: replicated tensor saved {len(md.tensors[fqn].chunks)} times")
     target = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(target, ckpt)
     for k, v in sd.items():
@@ -240,7 +249,11 @@ def test_replicated_plain_tensors_of_every_dtype_with_nan_bits(ctx):
 def _fsdp_tp_model(mesh, seed):
     from torch import nn
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -283,7 +296,8 @@ def test_fsdp2_plus_tp_model_and_optimizer_round_trip(ctx):
     assert "_StridedShard" in placements, f"precondition: strided shards, got {placements}"
 
     expected_model = {k: _full(v).clone() for k, v in msd.items()}
-    expected_state = {k: {kk: _full(vv).clone() for kk, vv in st.items()} for k, st in osd["state"].items()}
+    expected_state = {k: {kk: _full(vv).clone() for kk, vv in st.items()}
+                      for k, st in osd["state"].items()}
     ckpt = str(ctx.dir / "ckpt")
     dcp.save({"model": msd, "optim": osd, "epoch": 1}, ckpt)
 
@@ -291,8 +305,10 @@ def test_fsdp2_plus_tp_model_and_optimizer_round_trip(ctx):
     model2 = _fsdp_tp_model(mesh, seed=123)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, betas=(0.8, 0.95), weight_decay=0.1)
     _train_steps(model2, opt2, seed=7, steps=2)
-    target = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2), "epoch": 0}
-    assert not torch.equal(_full(target["model"]["0.weight"]), expected_model["0.weight"]), "precondition"
+    target = {"model": get_model_state_dict(model2),
+              "optim": get_optimizer_state_dict(model2, opt2), "epoch": 0}
+    assert not torch.equal(_full(target["model"]["0.weight"]), expected_model["0.weight"]), (
+        "precondition")
 
     report = dcp.load(target, ckpt)
     assert report.missing_keys == [] and report.unexpected_keys == []
@@ -308,10 +324,12 @@ def test_fsdp2_plus_tp_model_and_optimizer_round_trip(ctx):
         for kk, vv in st.items():
             assert_bitwise_equal(_full(vv), expected_state[k][kk], f"optim.state.{k}.{kk}")
     group = opt2.param_groups[0]
-    assert group["lr"] == 0.01 and tuple(group["betas"]) == (0.9, 0.999) and group["weight_decay"] == 0.01, group
+    assert (group["lr"] == 0.01 and tuple(group["betas"]) == (0.9, 0.999)
+            and group["weight_decay"] == 0.01), group
 
     # Training continues identically from the loaded state.
     _train_steps(model, opt, seed=99, steps=1)
     _train_steps(model2, opt2, seed=99, steps=1)
-    for (k, a), b in zip(get_model_state_dict(model).items(), get_model_state_dict(model2).values()):
+    for (k, a), b in zip(get_model_state_dict(model).items(),
+                         get_model_state_dict(model2).values(), strict=True):
         assert_bitwise_equal(_full(b), _full(a), f"after one more step: model.{k}")

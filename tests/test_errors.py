@@ -15,7 +15,14 @@ import torch
 
 import dcp
 from dcp.core.metadata import checksum
-from helpers import FailingStorage, assert_bitwise_equal, assert_names, mentions_shape, random_tensor, randn
+from helpers import (
+    FailingStorage,
+    assert_bitwise_equal,
+    assert_names,
+    mentions_shape,
+    randn,
+    random_tensor,
+)
 
 
 # ----------------------------------------------------------- pickling policy
@@ -38,7 +45,8 @@ class TouchOnUnpickle:
 
 
 @pytest.mark.parametrize(
-    "value", [{1, 2, 3}, Custom(3), b"raw bytes", torch.device("cpu")], ids=["set", "custom", "bytes", "device"]
+    "value", [{1, 2, 3}, Custom(3), b"raw bytes", torch.device("cpu")],
+    ids=["set", "custom", "bytes", "device"],
 )
 def test_non_json_value_raises_on_save_without_allow_pickle(tmp_path, value):
     ckpt = tmp_path / "ckpt"
@@ -133,10 +141,13 @@ def test_non_strict_load_into_bigger_model_reports_missing_and_loads_rest(tmp_pa
     assert report.unexpected_keys == []
     for i in range(2):
         for k in ("w", "b"):
-            assert_bitwise_equal(target["model"]["layers"][i][k], saved["model"]["layers"][i][k], f"layers.{i}.{k}")
+            assert_bitwise_equal(target["model"]["layers"][i][k], saved["model"]["layers"][i][k],
+                                 f"layers.{i}.{k}")
     assert target["epoch"] == 3
-    assert torch.all(target["model"]["layers"][2]["w"] == 7.0), "a missing key's target was modified"
-    assert torch.all(target["model"]["layers"][2]["b"] == 0.0), "a missing key's target was modified"
+    assert torch.all(target["model"]["layers"][2]["w"] == 7.0), (
+        "a missing key's target was modified")
+    assert torch.all(target["model"]["layers"][2]["b"] == 0.0), (
+        "a missing key's target was modified")
 
 
 def test_non_strict_load_into_smaller_model_reports_unexpected_and_loads_rest(tmp_path):
@@ -237,7 +248,8 @@ def test_flipped_byte_is_detected_when_loading_part_of_a_chunk(tmp_path):
     else:
         same = torch.equal(target["alpha"]["weight"].data.view(torch.int32),
                            sd["alpha"]["weight"][:32].view(torch.int32))
-        pytest.fail(f"corrupted chunk loaded without error (values equal to the saved ones: {same})")
+        pytest.fail(f"corrupted chunk loaded without error "
+                    f"(values equal to the saved ones: {same})")
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
@@ -264,10 +276,12 @@ def test_load_without_metadata_says_not_a_checkpoint(tmp_path, how):
         assert list(ckpt.glob("*.data")), "precondition: data files remain"
     elif how == "empty_dir":
         ckpt.mkdir()
-    for call in (lambda: dcp.load({"w": torch.zeros(3)}, str(ckpt)), lambda: dcp.read_metadata(str(ckpt))):
+    for call in (lambda: dcp.load({"w": torch.zeros(3)}, str(ckpt)),
+                 lambda: dcp.read_metadata(str(ckpt))):
         with pytest.raises(dcp.CheckpointError) as ei:
             call()
-        assert re.search(r"not a (complete |committed |valid )?checkpoint|incomplete", str(ei.value), re.I), (
+        assert re.search(r"not a (complete |committed |valid )?checkpoint|incomplete",
+                         str(ei.value), re.I), (
             f"message does not say it is not a (complete) checkpoint: {str(ei.value)!r}"
         )
 
@@ -282,7 +296,8 @@ def test_save_to_existing_checkpoint_requires_overwrite(tmp_path):
     listing = sorted(p.name for p in ckpt.iterdir())
     with pytest.raises(dcp.CheckpointError) as ei:
         dcp.save(second, str(ckpt))
-    assert "overwrite" in str(ei.value), f"error does not point at overwrite=True: {str(ei.value)!r}"
+    assert "overwrite" in str(ei.value), (
+        f"error does not point at overwrite=True: {str(ei.value)!r}")
     assert (ckpt / "metadata.json").read_bytes() == before
     assert sorted(p.name for p in ckpt.iterdir()) == listing, "a refused save left files behind"
     target = {"w": torch.zeros(5, 5)}
@@ -308,8 +323,10 @@ def test_io_error_in_writer_thread_fails_save_and_keeps_previous_checkpoint(tmp_
     storage = FailingStorage(str(ckpt), thread_count=4, fail_on=2)
     with pytest.raises(dcp.CheckpointError) as ei:
         dcp.save(_many_tensors(100), str(ckpt), storage=storage, overwrite=True)
-    assert storage.failed_name is not None, "precondition: the save made at least 2 write_file calls"
-    assert storage.failed_in_thread != "MainThread", "precondition: the error starts in a writer thread"
+    assert storage.failed_name is not None, (
+        "precondition: the save made at least 2 write_file calls")
+    assert storage.failed_in_thread != "MainThread", (
+        "precondition: the error starts in a writer thread")
     assert "injected" in str(ei.value) or storage.failed_name in str(ei.value), (
         f"error names neither the I/O error nor the file: {str(ei.value)!r}"
     )
@@ -348,7 +365,8 @@ def _crafted_payloads(marker: pathlib.Path) -> dict[str, bytes]:
             {"py/reduce": [{"py/function": "pathlib.Path.touch"}, {"py/tuple": [str(marker)]}]}
         ).encode(),
         "dunder_reduce": json.dumps(
-            {"__reduce__": ["pathlib.Path.touch", [str(marker)]], "format": "hyperdcp", "version": 1}
+            {"__reduce__": ["pathlib.Path.touch", [str(marker)]], "format": "hyperdcp",
+             "version": 1}
         ).encode(),
         "garbage": bytes(range(256)) * 4,
         "empty": b"",

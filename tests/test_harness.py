@@ -55,7 +55,8 @@ def scen_never_reached(ctx):
 def result(tmp_path_factory):
     return run_group(
         2,
-        [scen_ok, scen_fail_on_rank1, scen_desync, scen_after_desync, scen_crash, scen_never_reached],
+        [scen_ok, scen_fail_on_rank1, scen_desync, scen_after_desync, scen_crash,
+         scen_never_reached],
         tmp_path_factory.mktemp("harness"),
         pg_timeout=5,
         group_timeout=120,
@@ -64,7 +65,8 @@ def result(tmp_path_factory):
 
 def test_passing_scenario_passes(result):
     result.check(scen_ok)
-    assert (result.outcomes["test_harness:scen_ok"][0].ok, result.outcomes["test_harness:scen_ok"][1].ok) == (True, True)
+    outcomes = result.outcomes["test_harness:scen_ok"]
+    assert (outcomes[0].ok, outcomes[1].ok) == (True, True)
 
 
 def test_failure_is_reported_with_rank_traceback(result):

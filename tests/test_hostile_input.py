@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import dcp
 from dcp.coordination import wire
 from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta, decode, encode
-from dcp.interop.safetensors_io import checkpoint_to_safetensors
 from dcp.core.storage import open_storage
+from dcp.interop.safetensors_io import checkpoint_to_safetensors
 from helpers import assert_bitwise_equal, random_tensor
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,7 +36,8 @@ def _valid_metadata() -> bytes:
 def _json_values():
     return st.recursive(
         st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
-        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+        lambda inner: (st.lists(inner, max_size=5)
+                       | st.dictionaries(st.text(max_size=12), inner, max_size=5)),
         max_leaves=30)
 
 
@@ -81,7 +82,7 @@ def test_metadata_decoder_fuzzed(data):
     # a document that decodes is a whole one: every chunk inside its tensor
     for t in md.tensors.values():
         for c in t.chunks:
-            assert all(o + s <= d for o, s, d in zip(c.offsets, c.sizes, t.shape))
+            assert all(o + s <= d for o, s, d in zip(c.offsets, c.sizes, t.shape, strict=True))
             assert ".." not in c.file.split("/") and not c.file.startswith("/")
 
 
@@ -91,8 +92,9 @@ EXCHANGE = wire.encode(("plan", "key", {("w", (0, 1)): [1, 2.5, None, b"x"]}))
 @FUZZ
 @given(st.binary(max_size=300) | _json_values().map(lambda v: json.dumps(v).encode())
        | st.builds(lambda c, f: json.dumps({"c": c, "f": f}).encode(),
-                   st.sampled_from(["ChunkMeta", "SavePlan", "TensorDecl", "WriteItem", "Metadata",
-                                    "WriteResult", "_Failure", "os.system", "Nope"]), _json_values())
+                   st.sampled_from(["ChunkMeta", "SavePlan", "TensorDecl", "WriteItem",
+                                    "Metadata", "WriteResult", "_Failure", "os.system", "Nope"]),
+                   _json_values())
        | st.builds(lambda cut: EXCHANGE[:cut], st.integers(0, len(EXCHANGE))))
 def test_exchange_payload_decoder_fuzzed(data):
     _decoded_or_checkpoint_error(lambda d: wire.decode(d, "fuzzed exchange file"), data)
@@ -140,7 +142,8 @@ def test_a_declared_shape_of_1e15_elements_raises_before_allocating(tmp_path):
     # export streams whole tensors
     with pytest.raises(dcp.CorruptCheckpointError, match=r"'w'.*x\.data"):
         checkpoint_to_safetensors(str(ckpt), str(tmp_path / "out"))
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024, "RSS grew > 512 MiB"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 512 * 1024, "RSS grew > 512 MiB"
     # the 10 elements the target asks for are read (and exist)
     dcp.load(target, str(ckpt))
     assert_bitwise_equal(target["w"].data, torch.zeros(10))

@@ -39,25 +39,25 @@ TENSORS = {
 }
 # how each fqn is laid out when SAVED, per world size ("S0,S1" = 2-D (2, 2) mesh)
 SAVE_LAYOUT = {
-    2: {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S1", "odd": "S0", "vec": "R", "scalar": "R",
-        "dim512": "S0"},
-    4: {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S1", "odd": "S0,S1", "vec": "S0", "scalar": "R",
-        "dim512": "S0"},
+    2: {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S1", "odd": "S0", "vec": "R",
+        "scalar": "R", "dim512": "S0"},
+    4: {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S1", "odd": "S0,S1", "vec": "S0",
+        "scalar": "R", "dim512": "S0"},
 }
 # how each fqn is laid out when LOADED: several layouts tried one after another
 LOAD_LAYOUTS = {
     2: [
-        {"rows6": "S0", "rows5": "S1", "cols6": "S0", "cols5": "S1", "odd": "S1", "vec": "S0", "scalar": "R",
-         "dim512": "S1"},
+        {"rows6": "S0", "rows5": "S1", "cols6": "S0", "cols5": "S1", "odd": "S1", "vec": "S0",
+         "scalar": "R", "dim512": "S1"},
         {f: "R" for f in TENSORS},
     ],
     4: [
-        {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S0", "odd": "S0", "vec": "S0", "scalar": "R",
-         "dim512": "S1"},
-        {"rows6": "S1", "rows5": "S1", "cols6": "S0", "cols5": "S1", "odd": "S0,S1", "vec": "R", "scalar": "R",
-         "dim512": "R"},
-        {"rows6": "S0,S1", "rows5": "R,S0", "cols6": "S1,S0", "cols5": "S0,R", "odd": "S1,S1", "vec": "S0,S0",
-         "scalar": "R,R", "dim512": "S0,S0"},
+        {"rows6": "S0", "rows5": "S0", "cols6": "S1", "cols5": "S0", "odd": "S0", "vec": "S0",
+         "scalar": "R", "dim512": "S1"},
+        {"rows6": "S1", "rows5": "S1", "cols6": "S0", "cols5": "S1", "odd": "S0,S1", "vec": "R",
+         "scalar": "R", "dim512": "R"},
+        {"rows6": "S0,S1", "rows5": "R,S0", "cols6": "S1,S0", "cols5": "S0,R", "odd": "S1,S1",
+         "vec": "S0,S0", "scalar": "R,R", "dim512": "S0,S0"},
     ],
 }
 # TensorShard row partitions of a (10, 3) tensor, per world size
@@ -115,10 +115,12 @@ def _load_and_check(ctx, name, saved_by):
         assert report.missing_keys == [] and report.unexpected_keys == []
         for fqn, layout in layouts.items():
             assert_dtensor_equals_full(
-                target["model"][fqn], _full(fqn), f"{fqn}: W={saved_by} {SAVE_LAYOUT[saved_by][fqn]} -> W={ws} {layout}"
+                target["model"][fqn], _full(fqn),
+                f"{fqn}: W={saved_by} {SAVE_LAYOUT[saved_by][fqn]} -> W={ws} {layout}"
             )
         assert_bitwise_equal(target["model"]["megatron"].data, _megatron_full()[lo:hi], "megatron")
-        assert_bitwise_equal(target["model"]["plain"], random_tensor((4, 4), torch.int64, seed=42), "plain")
+        assert_bitwise_equal(target["model"]["plain"], random_tensor((4, 4), torch.int64, seed=42),
+                             "plain")
         assert target["meta"] == {"saved_by": saved_by, "names": sorted(TENSORS)}, target["meta"]
 
     # The rows Shard(0) over 30 ranks would hold (torch.chunk arithmetic:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dcp
-from helpers import ALL_DTYPES, assert_bitwise_equal, random_tensor, randn
+from helpers import ALL_DTYPES, assert_bitwise_equal, randn, random_tensor
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -25,13 +25,15 @@ def _assert_same_tree(actual, expected, path="<root>"):
         for k in expected:
             _assert_same_tree(actual[k], expected[k], f"{path}.{k}")
     elif isinstance(expected, (list, tuple)):
-        assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+        assert type(actual) is type(expected), (
+            f"{path}: {type(actual).__name__} != {type(expected).__name__}")
         assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             _assert_same_tree(a, e, f"{path}.{i}")
     else:
         assert type(actual) is type(expected) and actual == expected, (
-            f"{path}: {actual!r} ({type(actual).__name__}) != {expected!r} ({type(expected).__name__})"
+            f"{path}: {actual!r} ({type(actual).__name__}) "
+            f"!= {expected!r} ({type(expected).__name__})"
         )
 
 
@@ -96,7 +98,8 @@ def test_nested_dicts_lists_tuples_and_json_values_round_trip(tmp_path):
     assert set(read.tensors) == expected_tensors
     for fqn, t in md.tensors.items():
         assert read.tensors[fqn].shape == t.shape and read.tensors[fqn].dtype == t.dtype
-        assert sorted(c.offsets for c in read.tensors[fqn].chunks) == sorted(c.offsets for c in t.chunks)
+        assert (sorted(c.offsets for c in read.tensors[fqn].chunks)
+                == sorted(c.offsets for c in t.chunks))
 
     target = _target_like_nested()
     w0 = target["model"]["layers"][0]["w"]
@@ -140,7 +143,8 @@ def test_every_dtype_round_trips_bitwise(tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16], ids=_dtype_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16],
+                         ids=_dtype_name)
 def test_zero_dim_tensor_round_trip(tmp_path, dtype):
     value = random_tensor((), dtype, seed=3)
     ckpt = str(tmp_path / "ckpt")

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dcp
 from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 from dist_harness import dist_scenario
-from helpers import assert_bitwise_equal, data_bytes_on_disk, make_dtensor, random_tensor, randn
+from helpers import assert_bitwise_equal, data_bytes_on_disk, make_dtensor, randn, random_tensor
 from planners.save import DefaultSavePlanner
 
 MiB = 1 << 20

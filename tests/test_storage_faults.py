@@ -50,7 +50,8 @@ def test_transient_faults_are_retried_and_the_save_succeeds(kind, tmp_path):
             assert sum(storage.injected.values()) == 2 * len(md.files()), storage.injected
         _assert_holds(url, seed, options)
         assert verify(url, storage_options=options).ok
-        assert sorted(open_storage(url, **options).list_files()) == sorted(md.files() | {"metadata.json"})
+        listed = sorted(open_storage(url, **options).list_files())
+        assert listed == sorted(md.files() | {"metadata.json"})
 
 
 @pytest.mark.parametrize("kind", ["posix", "s3"])
@@ -60,7 +61,8 @@ def test_persistent_faults_fail_cleanly_and_keep_the_previous_checkpoint(kind, t
     plain = open_storage(url, **options)
     before = plain.list_files(), plain.read_file("metadata.json")
     storage = open_storage(f"faulty://{url}", **PERSISTENT, options=options)
-    with pytest.raises(dcp.CheckpointError, match=r"rank 0: writing '.*\.data' failed \(5 attempts\)"):
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"rank 0: writing '.*\.data' failed \(5 attempts\)"):
         dcp.save(_state(2), url, storage=storage, overwrite=True)
     assert (plain.list_files(), plain.read_file("metadata.json")) == before
     _assert_holds(url, 1, options)
@@ -92,7 +94,8 @@ def test_faults_on_one_rank_sync_and_async_w2(ctx):
                 if mode == "sync":
                     dcp.save(_state(seed), url, storage_options=options, overwrite=True)
                 else:
-                    dcp.async_save(_state(seed), url, storage_options=options, overwrite=True).result(120)
+                    dcp.async_save(_state(seed), url, storage_options=options,
+                                   overwrite=True).result(120)
                 outcome = None
             except dcp.CheckpointError as e:
                 outcome = str(e)
@@ -101,8 +104,10 @@ def test_faults_on_one_rank_sync_and_async_w2(ctx):
                 assert outcome is None, outcome
                 _assert_holds(str(path), seed, {})
             else:
-                assert outcome is not None and "rank 1" in outcome and "5 attempts" in outcome, outcome
+                assert (outcome is not None and "rank 1" in outcome
+                        and "5 attempts" in outcome), outcome
                 _assert_holds(str(path), 11, {})
                 listed = sorted(p.name for p in path.iterdir())
-                assert listed == sorted(dcp.read_metadata(str(path)).files() | {"metadata.json"}), listed
+                assert listed == sorted(dcp.read_metadata(str(path)).files()
+                                        | {"metadata.json"}), listed
             dist.barrier()

@@ -22,10 +22,16 @@ import torch
 import dcp
 from dcp.asynchronous import staging
 from dcp.core.metadata import METADATA_FILE
-from dcp.orchestration.save import describe_state
 from dcp.core.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
+from dcp.orchestration.save import describe_state
 from dist_harness import dist_scenario
-from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
+from helpers import (
+    assert_bitwise_equal,
+    assert_dtensor_equals_full,
+    make_dtensor,
+    random_tensor,
+    zeros_dtensor,
+)
 from storage_plugins.shm import DEFAULT_ROOT, ShmStorage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +211,7 @@ def test_staged_large_chunks_are_page_aligned_whatever_the_sharing_strategy():
             layout, _ = staging.Stager().stage(state, blocking=True)
             views = layout.views()
             assert [v.data_ptr() % 4096 for v in views[1:]] == [0, 0], name
-            for view, chunk in zip(views, state.chunks.values()):
+            for view, chunk in zip(views, state.chunks.values(), strict=True):
                 assert_bitwise_equal(view, chunk.data)
     finally:
         torch.multiprocessing.set_sharing_strategy(strategy)
@@ -235,7 +241,8 @@ def test_shm_checkpoint_lives_under_dev_shm(tmp_path):
     assert (storage.fsync, storage.thread_count) == (False, 4)
     custom = open_storage("shm://run/ckpt", root=str(tmp_path), thread_count=2)
     assert (custom.root, custom.thread_count) == (tmp_path / "run" / "ckpt", 2)
-    md = dcp.save({"w": torch.arange(4.0)}, "shm://run/ckpt", storage_options={"root": str(tmp_path)})
+    md = dcp.save({"w": torch.arange(4.0)}, "shm://run/ckpt",
+                  storage_options={"root": str(tmp_path)})
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir()) == sorted(
         md.files() | {METADATA_FILE})
 
@@ -278,7 +285,8 @@ def test_shm_survives_its_writers_and_loads_in_4_processes(ctx):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2))
-    target = {k: zeros_dtensor(shape, dtype, mesh, "S1,S0") for k, (shape, dtype, _) in FULL.items()}
+    target = {k: zeros_dtensor(shape, dtype, mesh, "S1,S0")
+              for k, (shape, dtype, _) in FULL.items()}
     target["step"] = 0
     dcp.load(target, _shm_id(ctx))
     for k, (shape, dtype, seed) in FULL.items():

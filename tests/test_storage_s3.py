@@ -22,7 +22,13 @@ from dcp.coordination.file_flag import EXCHANGE_PREFIX
 from dcp.core.metadata import METADATA_FILE
 from dcp.core.storage import open_storage
 from dist_harness import dist_scenario
-from helpers import assert_bitwise_equal, assert_dtensor_equals_full, make_dtensor, random_tensor, zeros_dtensor
+from helpers import (
+    assert_bitwise_equal,
+    assert_dtensor_equals_full,
+    make_dtensor,
+    random_tensor,
+    zeros_dtensor,
+)
 from planners.save import DefaultSavePlanner
 from storage_plugins.s3 import S3Storage
 
@@ -65,7 +71,8 @@ def _names(raw, url: str) -> list[str]:
 def _part_sizes(raw, url: str, name: str) -> list[int]:
     """The sizes of the parts the object was uploaded in (one for a PUT)."""
     def head(number: int) -> dict:
-        return raw.call_s3("head_object", Bucket=s3_server.BUCKET, Key=_key(url, name), PartNumber=number)
+        return raw.call_s3("head_object", Bucket=s3_server.BUCKET, Key=_key(url, name),
+                           PartNumber=number)
     return [head(n)["ContentLength"] for n in range(1, head(1).get("PartsCount", 1) + 1)]
 
 
@@ -273,7 +280,8 @@ def test_s3_save_and_resharded_loads_4_ranks(ctx):
     bias = random_tensor((5,), torch.int64, seed=13)
     rows = random_tensor((4, 3), torch.float64, seed=14)
     state = {"w": make_dtensor(full_w, mesh, "S0"), "h": make_dtensor(full_h, mesh, "S1"),
-             "bias": bias, "rows": dcp.TensorShard(rows[ctx.rank:ctx.rank + 1], (4, 3), (ctx.rank, 0)),
+             "bias": bias,
+             "rows": dcp.TensorShard(rows[ctx.rank:ctx.rank + 1], (4, 3), (ctx.rank, 0)),
              "meta": {"step": 3}}
     md = dcp.save(state, url, storage_options=options)
     if ctx.rank == 0:
@@ -285,7 +293,8 @@ def test_s3_save_and_resharded_loads_4_ranks(ctx):
     mesh2 = init_device_mesh("cpu", (2, 2))
     target = {"w": zeros_dtensor((64, 32), torch.float32, mesh, "S1"),
               "h": zeros_dtensor((8, 12), torch.bfloat16, mesh2, "S0,S1"),
-              "bias": torch.zeros(5, dtype=torch.int64), "rows": torch.zeros(4, 3, dtype=torch.float64),
+              "bias": torch.zeros(5, dtype=torch.int64),
+              "rows": torch.zeros(4, 3, dtype=torch.float64),
               "meta": {"step": 0}}
     dcp.load(target, url, storage_options=options)
     assert_dtensor_equals_full(target["w"], full_w, "w")
@@ -337,7 +346,8 @@ def test_s3_async_save_and_resharded_load_4_ranks(ctx):
                 merged = dcp.read_metadata(url, storage_options=options)
                 assert not [n for n in names if n.startswith(EXCHANGE_PREFIX)], names
                 assert merged.files() <= set(names), (merged.files(), names)
-                assert set(names) - merged.files() == {f"metadata.rank{r:05d}.json" for r in range(4)}, names
+                assert set(names) - merged.files() == {f"metadata.rank{r:05d}.json"
+                                                       for r in range(4)}, names
             else:
                 assert names == sorted(md.files() | {METADATA_FILE}), (mode, names)
 

@@ -44,7 +44,8 @@ def test_512_rows_over_30_ranks_saved_then_loaded_at_1_and_4(tmp_path):
 
     def rank(r: int) -> dcp.Metadata:
         offset, length = boxes[r]
-        state = {"w": dcp.TensorShard(full[offset:offset + length].clone(), (ROWS, COLS), (offset, 0)),
+        state = {"w": dcp.TensorShard(full[offset:offset + length].clone(), (ROWS, COLS),
+                                      (offset, 0)),
                  "bias": bias.clone(), "step": 12}
         storage = PosixStorage(ckpt, thread_count=1)
         coord = FileCoordinator(storage, save_id, r, WORLD, timeout=120.0)

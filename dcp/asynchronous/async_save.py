@@ -51,25 +51,25 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from dcp.orchestration import pending
-from dcp.coordination.collectives import Coordinator
-from dcp.errors import CheckpointError
-from dcp.orchestration.gc_pause import gc_paused
-from dcp.core.metadata import Metadata
-from dcp.coordination.plan_cache import PlanCache
-from dcp.core.planner import SavePlanner
-from dcp.orchestration.save import describe_state
 from dcp.asynchronous.staging import Layout, Stager
-from dcp.core.storage import StoragePlugin
 from dcp.asynchronous.worker import Outcome, Rendezvous, SaveJob, WorkerHandle
+from dcp.coordination.collectives import Coordinator
+from dcp.coordination.plan_cache import PlanCache
+from dcp.core.metadata import Metadata
+from dcp.core.planner import SavePlanner
+from dcp.core.storage import StoragePlugin
+from dcp.errors import CheckpointError
+from dcp.orchestration import pending
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.orchestration.save import describe_state
 
 COORDINATIONS = ("gloo", "file", "none")
 
@@ -189,7 +189,8 @@ class _Saver:
             self.group, self.rank, self.world_size = process_group, coord.rank, coord.world_size
             group_id = zlib.crc32(repr(coord.members).encode())
             key = f"hyperdcp/async/{group_id:08x}/{_Saver.instances}"
-            self.token = c10d._get_default_store().compare_set(key, "", uuid.uuid4().hex[:8]).decode()
+            store = c10d._get_default_store()
+            self.token = store.compare_set(key, "", uuid.uuid4().hex[:8]).decode()
         else:
             self.group, self.rank, self.world_size = None, 0, 1
             self.token = uuid.uuid4().hex[:8]
@@ -297,7 +298,8 @@ class _Saver:
         except CheckpointError as e:  # the worker died
             self.worker.stop(timeout=0)
             self.worker = None
-            raise CheckpointError(f"rank {self.rank}: async save of {job.checkpoint_id!r}: {e}") from e
+            raise CheckpointError(
+                f"rank {self.rank}: async save of {job.checkpoint_id!r}: {e}") from e
 
     def stop(self) -> None:
         """Stop the worker (after its current job)."""

@@ -31,8 +31,8 @@ import torch
 
 from dcp.core import tensors
 from dcp.core.metadata import DTYPE_ITEMSIZE
-from dcp.orchestration.save import SaveState
 from dcp.core.storage import ALIGNED_CHUNK_BYTES
+from dcp.orchestration.save import SaveState
 
 ALIGN = 64  # bytes; every chunk starts at a multiple
 PAGE = 4096  # bytes; every chunk of at least ALIGNED_CHUNK_BYTES starts at a multiple
@@ -77,9 +77,10 @@ class Layout:
         """The :class:`SaveState` of a save whose tensors are these staged
         chunks."""
         state = SaveState(json_values=json_values, pickled=pickled)
-        for c, view in zip(self.chunks, self.views()):
+        for c, view in zip(self.chunks, self.views(), strict=True):
             key = (c.fqn, c.offsets)
-            state.chunks[key] = tensors.LocalChunk(c.global_shape, c.dtype, c.offsets, c.sizes, view)
+            state.chunks[key] = tensors.LocalChunk(c.global_shape, c.dtype, c.offsets, c.sizes,
+                                                   view)
             state.slots[key] = c.slot
         return state
 
@@ -132,10 +133,10 @@ class Stager:
         sources = [chunk.data.detach() for chunk in state.chunks.values()]
         self.bytes_staged += sum(s.nbytes for s in specs)
         staged: Future = Future()
-        host = [(v, s) for v, s in zip(self._views, sources) if s.device.type == "cpu"]
+        host = [(v, s) for v, s in zip(self._views, sources, strict=True) if s.device.type == "cpu"]
         devices = {s.device for s in sources if s.device.type != "cpu"}
         with torch.no_grad():
-            for view, source in zip(self._views, sources):
+            for view, source in zip(self._views, sources, strict=True):
                 if source.device.type != "cpu":
                     view.copy_(source, non_blocking=True)
         events = []

@@ -41,25 +41,26 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dcp.coordination.collectives import Coordinator, CoordinatorBase, LocalCoordinator
-from dcp.errors import CheckpointError
-from dcp.coordination.file_flag import FileCoordinator
-from dcp.orchestration.gc_pause import gc_paused
-from dcp.coordination.independent import IndependentSave
-from dcp.core.metadata import Metadata
-from dcp.coordination.plan_cache import CacheEntry, PlanCache
-from dcp.core.planner import SavePlanner, default_planner
-from dcp.orchestration.save import SaveState, _Save
 from dcp.asynchronous.staging import Layout
+from dcp.coordination.collectives import Coordinator, CoordinatorBase, LocalCoordinator
+from dcp.coordination.file_flag import FileCoordinator
+from dcp.coordination.independent import IndependentSave
+from dcp.coordination.plan_cache import CacheEntry, PlanCache
+from dcp.core.metadata import Metadata
+from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
+from dcp.errors import CheckpointError
+from dcp.orchestration.gc_pause import gc_paused
+from dcp.orchestration.save import SaveState, _Save
 
 #: Seconds a (re)built gloo group waits for every rank's worker to arrive
 #: (at least): covers spawning a replacement worker on a loaded machine.
@@ -218,7 +219,8 @@ class _Worker:
 
             if job.coordination == "none":
                 coord = LocalCoordinator(job.rank, job.world_size)
-                metadata = IndependentSave(describe, storage, planner, coord, job.overwrite).run(job.save_id)
+                independent = IndependentSave(describe, storage, planner, coord, job.overwrite)
+                metadata = independent.run(job.save_id)
                 outcome = Outcome(job.seq, metadata)
             else:
                 coord = self._coordinator(job, storage)

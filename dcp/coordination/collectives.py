@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import abc
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from dcp import errors
-
 from dcp.coordination import wire
 from dcp.errors import CheckpointError
 
@@ -141,7 +141,8 @@ class CoordinatorBase(abc.ABC):
         if self.is_coordinator:
             failures = [f for _, f in gathered if f is not None]
             if not failures:
-                answer, g_failure, exc = _capture(self.rank, lambda: global_fn([v for v, _ in gathered]))
+                answer, g_failure, exc = _capture(
+                    self.rank, lambda: global_fn([v for v, _ in gathered]))
                 failures = [g_failure] if g_failure else []
             if failures:
                 shared, reply = True, (None, failures)
@@ -193,7 +194,8 @@ class CoordinatorBase(abc.ABC):
         if self.is_coordinator:
             value, failure, exc = _capture(self.rank, fn)
             reply = (None, [failure]) if failure else (value, None)
-        value, failures = self._transport(phase, lambda: self._reply(n, phase, self.is_coordinator, reply))
+        value, failures = self._transport(
+            phase, lambda: self._reply(n, phase, self.is_coordinator, reply))
         if failures:
             self._raise(phase, failures, exc)
         return value

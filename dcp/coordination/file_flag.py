@@ -34,8 +34,8 @@ import time
 
 from dcp.coordination import wire
 from dcp.coordination.collectives import CoordinatorBase, failure_of
-from dcp.errors import CheckpointError
 from dcp.core.storage import StoragePlugin
+from dcp.errors import CheckpointError
 
 EXCHANGE_PREFIX = ".exchange."
 _FIRST_DELAY, _MAX_DELAY = 0.001, 0.05  # seconds between polls

@@ -25,10 +25,10 @@ from __future__ import annotations
 import zlib
 
 from dcp.core.boxes import volume
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.core.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
-from dcp.orchestration.save import SaveState, _Save, data_file_prefix
 from dcp.core.storage import StoragePlugin
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.orchestration.save import SaveState, _Save, data_file_prefix
 
 
 def rank_metadata_file(rank: int) -> str:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from dcp.errors import CheckpointError
 from dcp.core.metadata import ChunkMeta, Metadata
 from dcp.core.metadata import decode as decode_metadata
 from dcp.core.metadata import encode as encode_metadata
 from dcp.core.planner import SavePlan, TensorDecl, WriteItem
+from dcp.errors import CheckpointError
 
 _CODECS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 

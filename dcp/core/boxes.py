@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-
 
 
 def intersect_many(offsets: np.ndarray, sizes: np.ndarray, box_offsets: Sequence[int],
@@ -60,10 +59,10 @@ def byte_runs(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
     while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
         k -= 1
     run = sizes[k] * strides[k]
-    base = sum(o * s for o, s in zip(rel_offsets, strides))
+    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
     if k == 0:
         yield base, run
         return
     outer = [range(n) for n in sizes[:k]]
     for idx in itertools.product(*outer):
-        yield base + sum(i * s for i, s in zip(idx, strides)), run
+        yield base + sum(i * s for i, s in zip(idx, strides, strict=False)), run

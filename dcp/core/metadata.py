@@ -15,9 +15,9 @@ a crafted file yields a clean error, never another exception.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
-import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,7 @@ class TensorMeta:
         self._table: _ChunkTable | None = None
 
     @classmethod
-    def _from_table(cls, shape, dtype: str, table: "_ChunkTable") -> "TensorMeta":
+    def _from_table(cls, shape, dtype: str, table: _ChunkTable) -> TensorMeta:
         meta = cls(shape, dtype)
         meta._chunks, meta._table = None, table
         return meta
@@ -142,7 +142,7 @@ class TensorMeta:
             return {self._table.files[i] for i in np.unique(self._table.file).tolist()}
         return {c.file for c in self._chunks}
 
-    def table(self) -> "_ChunkTable":
+    def table(self) -> _ChunkTable:
         """Its chunks as a columnar table."""
         if self._table is not None:
             return self._table
@@ -172,7 +172,7 @@ class _ChunkTable:
     files: list[str]
 
     @classmethod
-    def from_rows(cls, chunks: list[ChunkMeta], ndim: int) -> "_ChunkTable":
+    def from_rows(cls, chunks: list[ChunkMeta], ndim: int) -> _ChunkTable:
         files = sorted({c.file for c in chunks})
         index = {f: i for i, f in enumerate(files)}
         n = len(chunks)
@@ -192,7 +192,8 @@ class _ChunkTable:
                           None if c == NO_CHECKSUM else c, r)
                 for o, s, f, b, c, r in zip(
                     self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
-                    self.byte_offset.tolist(), self.checksum.tolist(), self.rank.tolist())]
+                    self.byte_offset.tolist(), self.checksum.tolist(), self.rank.tolist(),
+                    strict=True)]
 
 
 @dataclass(frozen=True)
@@ -467,7 +468,8 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     for name in ("byte_offset", "rank", "offsets", "sizes"):
         if len(columns[name]) and not (columns[name].min() >= 0 and columns[name].max() < 2**62):
             _fail(where, f"chunk_table.{name} holds a value outside [0, 2**62)")
-    if rows and not (columns["checksum"].min() >= NO_CHECKSUM and columns["checksum"].max() < 2**32):
+    crcs = columns["checksum"]
+    if rows and not (crcs.min() >= NO_CHECKSUM and crcs.max() < 2**32):
         _fail(where, "chunk_table.checksum holds a value that is not a CRC-32C (or -1: none)")
 
     _check_bounds(entries, columns["offsets"], columns["sizes"], where)

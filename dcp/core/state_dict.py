@@ -12,8 +12,9 @@ single leaf, as in PyTorch DCP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from dcp.errors import CheckpointError
 

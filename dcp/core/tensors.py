@@ -22,15 +22,16 @@ device type is hard-coded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dcp.errors import CheckpointError
 from dcp.core.metadata import DTYPE_ITEMSIZE
+from dcp.errors import CheckpointError
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
@@ -107,7 +108,7 @@ def describe(fqn: str, value: Any) -> LocalChunk:
         offsets = tuple(int(o) for o in value.global_offsets)
         sizes = tuple(data.shape)
         if not (len(global_shape) == len(offsets) == len(sizes)) or any(
-                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape)):
+                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
             raise CheckpointError(
                 f"{fqn!r}: TensorShard of shape {sizes} at offsets {offsets} does not fit "
                 f"global shape {global_shape}")
@@ -156,7 +157,7 @@ def empty_host(sizes: Sequence[int], dtype: str) -> torch.Tensor:
 
 def region(data: torch.Tensor, rel_offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """The view of ``data`` covering the box at ``rel_offsets`` of ``sizes``."""
-    return data[tuple(slice(o, o + s) for o, s in zip(rel_offsets, sizes))]
+    return data[tuple(slice(o, o + s) for o, s in zip(rel_offsets, sizes, strict=True))]
 
 
 def is_direct_target(view: torch.Tensor, dtype: str) -> bool:

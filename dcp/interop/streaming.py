@@ -25,21 +25,35 @@ from __future__ import annotations
 import json
 import pickle
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from dcp.core import tensors
 from dcp.core.boxes import byte_runs
-from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.core.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, BlobRef, ChunkMeta, Metadata,
-                          ObjectMeta, TensorMeta, checksum)
-from dcp.orchestration.save import (DATA_SUFFIX, commit_metadata, delete_stale, encode_object,
-                      place_pickled)
+from dcp.core.metadata import (
+    DTYPE_ITEMSIZE,
+    METADATA_FILE,
+    BlobRef,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+    checksum,
+)
 from dcp.core.storage import StoragePlugin, open_storage
+from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.orchestration.save import (
+    DATA_SUFFIX,
+    commit_metadata,
+    delete_stale,
+    encode_object,
+    place_pickled,
+)
 
 #: Default bytes of tensor data a :class:`CheckpointWriter` gathers into one
 #: data file.
@@ -80,7 +94,8 @@ def renamed(fqns: Iterable[str], rename: dict[str, str] | None, where: str) -> d
     rename = rename or {}
     unknown = sorted(set(rename) - set(fqns))
     if unknown:
-        raise CheckpointError(f"rename map names key(s) not in {where}: {', '.join(map(repr, unknown))}")
+        raise CheckpointError(
+            f"rename map names key(s) not in {where}: {', '.join(map(repr, unknown))}")
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
     for fqn in fqns:
@@ -150,7 +165,8 @@ def read_blob(storage: StoragePlugin, fqn: str, ref: BlobRef) -> bytes:
         raise CorruptCheckpointError(f"{fqn!r}: reading its pickled bytes from file {ref.file!r} "
                                      f"failed: {e}") from e
     if checksum(blob) != ref.checksum:
-        raise CorruptCheckpointError(f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
+        raise CorruptCheckpointError(
+            f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
     return bytes(blob)
 
 
@@ -256,7 +272,8 @@ class CheckpointWriter:
         try:
             self.storage.write_file(name, buffers)
         except Exception as e:
-            raise CheckpointError(f"writing {name!r} of {self.storage.checkpoint_id!r} failed: {e}") from e
+            raise CheckpointError(
+                f"writing {name!r} of {self.storage.checkpoint_id!r} failed: {e}") from e
 
     def _flush(self) -> None:
         name = f"convert-{len(self._written):05d}.{self.metadata.save_id}{DATA_SUFFIX}"
@@ -265,7 +282,7 @@ class CheckpointWriter:
             crcs = pool.submit(lambda: [checksum(buf) for buf in buffers])
             self._write(name, buffers)
             offset = 0
-            for (fqn, _), buf, crc in zip(self._pending, buffers, crcs.result()):
+            for (fqn, _), buf, crc in zip(self._pending, buffers, crcs.result(), strict=True):
                 meta = self.metadata.tensors[fqn]
                 meta.chunks.append(ChunkMeta((0,) * len(meta.shape), meta.shape, name, offset,
                                              len(buf), crc, 0))
@@ -290,7 +307,8 @@ class CheckpointWriter:
             raise
         except Exception as e:
             raise CheckpointError(
-                f"committing {METADATA_FILE!r} of {self.storage.checkpoint_id!r} failed: {e}") from e
+                f"committing {METADATA_FILE!r} of {self.storage.checkpoint_id!r} "
+                f"failed: {e}") from e
         self._committed = True
         if self.overwrite:
             delete_stale(self.storage, self.metadata.files(), lambda name: True)

@@ -35,12 +35,19 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
 
 from dcp.core import tensors
-from dcp.errors import CheckpointError, NotACheckpointError
-from dcp.orchestration.load import read_metadata
 from dcp.core.metadata import Metadata, TensorMeta
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
-from dcp.interop.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
-                           read_object, read_tensor, renamed)
+from dcp.errors import CheckpointError, NotACheckpointError
+from dcp.interop.streaming import (
+    DEFAULT_BUFFER_BYTES,
+    CheckpointWriter,
+    ExportResult,
+    progress_bar,
+    read_object,
+    read_tensor,
+    renamed,
+)
+from dcp.orchestration.load import read_metadata
 
 #: The file holding a PyTorch DCP checkpoint's (pickled) metadata.
 TORCH_METADATA_FILE = ".metadata"
@@ -234,11 +241,12 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
     md = read_metadata(str(checkpoint_id), storage=storage)
     names = renamed(md.fqns(), rename, repr(str(checkpoint_id)))
     if not overwrite and (Path(local) / TORCH_METADATA_FILE).exists():
-        raise CheckpointError(f"{path!r} already holds a PyTorch DCP checkpoint; pass overwrite=True "
-                              f"to replace it")
+        raise CheckpointError(f"{path!r} already holds a PyTorch DCP checkpoint; "
+                              f"pass overwrite=True to replace it")
     state: dict[str, Any] = {}
     for fqn, meta in md.tensors.items():
-        state[names[fqn]] = torch.empty(meta.shape, dtype=tensors.torch_dtype(meta.dtype), device="meta")
+        state[names[fqn]] = torch.empty(meta.shape, dtype=tensors.torch_dtype(meta.dtype),
+                                        device="meta")
     for fqn, obj in md.objects.items():
         state[names[fqn]] = read_object(storage, fqn, obj, allow_pickle)
     source = {names[fqn]: (fqn, meta) for fqn, meta in md.tensors.items()}

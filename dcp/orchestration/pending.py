@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _in_flight: dict[int, tuple[str, threading.Event]] = {}

@@ -26,24 +26,32 @@ import pickle
 import uuid
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-from dcp.orchestration import pending
-
-from dcp.core import tensors
+from typing import Any
 
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
-from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.orchestration.gc_pause import gc_paused
-from dcp.core.metadata import (METADATA_FILE, BlobRef, ChunkMeta, Metadata, ObjectMeta,
-                          TensorMeta, checksum, decode, encode)
 from dcp.coordination.plan_cache import PlanCache
+from dcp.core import tensors
+from dcp.core.metadata import (
+    METADATA_FILE,
+    BlobRef,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+    checksum,
+    decode,
+    encode,
+)
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.core.state_dict import flatten
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, open_storage
+from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.orchestration import pending
+from dcp.orchestration.gc_pause import gc_paused
 
 DATA_SUFFIX = ".data"
 
@@ -314,7 +322,7 @@ class _Save:
         # write, are computed on their own threads while the bytes are written
         with ThreadPoolExecutor(workers) as hashers, ThreadPoolExecutor(workers) as pool:
             writes = [pool.submit(self._write_file, name, group, hashers)
-                      for name, group in zip(names, groups)]
+                      for name, group in zip(names, groups, strict=True)]
             batches = [replicas[k::workers] for k in range(workers)]
             hashes = [hashers.submit(self._hash_all, batch) for batch in batches if batch]
             for future in writes:
@@ -343,8 +351,8 @@ class _Save:
             self._by_fqn = by_fqn
         chunk = next(c for c in self._by_fqn[item.fqn]
                      if all(o <= i and i + n <= o + s for o, s, i, n
-                            in zip(c.offsets, c.sizes, item.offsets, item.sizes)))
-        rel = [i - o for i, o in zip(item.offsets, chunk.offsets)]
+                            in zip(c.offsets, c.sizes, item.offsets, item.sizes, strict=True)))
+        rel = [i - o for i, o in zip(item.offsets, chunk.offsets, strict=True)]
         return tensors.byte_view(tensors.to_host(tensors.region(chunk.data, rel, item.sizes)))
 
     def _write_file(self, name: str, group: list[WriteItem], hashers: ThreadPoolExecutor):
@@ -361,16 +369,18 @@ class _Save:
             buffers.append(buf)
             placed.append((item, buf, offset))
             offset += len(buf)
-        sums = hashers.submit(lambda: [(checksum(buf), fingerprint(buf) if len(buf) > REPLICA_SAMPLE_BYTES
-                                        else None) for _, buf, _ in placed])
+        sums = hashers.submit(lambda: [
+            (checksum(buf), fingerprint(buf) if len(buf) > REPLICA_SAMPLE_BYTES else None)
+            for _, buf, _ in placed])
         try:
             self.storage.retrying(self.storage.write_file, name, buffers)
         except Exception as e:
             attempts = getattr(e, "attempts", 1)
             tries = f" ({attempts} attempts)" if attempts > 1 else ""
-            raise CheckpointError(f"rank {self.coord.rank}: writing {name!r} failed{tries}: {e}") from e
+            raise CheckpointError(
+                f"rank {self.coord.rank}: writing {name!r} failed{tries}: {e}") from e
         out, prints = [], {}
-        for (item, buf, start), (crc, sample) in zip(placed, sums.result()):
+        for (item, buf, start), (crc, sample) in zip(placed, sums.result(), strict=True):
             out.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, start, len(buf), crc,
                                             self.coord.rank)))
             if sample is not None:

@@ -43,17 +43,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dcp.interop import safetensors_io
-
-from dcp.interop import torch_dcp_io
-from dcp.tools.diff import diff
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.coordination.independent import has_metadata
-from dcp.orchestration.load import read_metadata
 from dcp.core.metadata import CHECKSUM, METADATA_FILE
-from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.core.storage import open_storage, scheme_of
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.interop import safetensors_io, torch_dcp_io
+from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
+from dcp.orchestration.load import read_metadata
+from dcp.tools.diff import diff
 from dcp.tools.verify import verify
 
 EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
@@ -136,7 +134,8 @@ def _inspect(args) -> int:
                 {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
                  "byte_offset": c.byte_offset, "nbytes": c.nbytes, "checksum": c.checksum,
                  "rank": c.rank} for c in t.chunks]} for fqn, t in md.tensors.items()},
-            "objects": {fqn: ("<pickled>" if o.pickled else o.value) for fqn, o in md.objects.items()},
+            "objects": {fqn: ("<pickled>" if o.pickled else o.value)
+                        for fqn, o in md.objects.items()},
         }
         print(json.dumps(doc, indent=1))
         return 0
@@ -211,7 +210,8 @@ def _rename_map(path: str | None) -> dict[str, str] | None:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"--rename-map {path!r}: cannot read a JSON object ({e})") from None
     if not isinstance(rename, dict) or not all(isinstance(v, str) for v in rename.values()):
-        raise CheckpointError(f"--rename-map {path!r}: must be a JSON object of old name -> new name")
+        raise CheckpointError(
+            f"--rename-map {path!r}: must be a JSON object of old name -> new name")
     return rename
 
 
@@ -323,7 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST")
     p.add_argument("--to", choices=FORMATS,
                    help="format to write (default: hyperdcp; required when SRC is hyperdcp)")
-    p.add_argument("--max-shard-size", default=safetensors_io.DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+    p.add_argument("--max-shard-size", default=safetensors_io.DEFAULT_MAX_SHARD_SIZE,
+                   metavar="SIZE",
                    help="safetensors export: bytes of tensors per file, e.g. 5GB or 500MiB "
                         "(default %(default)s)")
     p.add_argument("--rename-map", metavar="FILE",

@@ -40,8 +40,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -300,7 +301,8 @@ def _worker(phase: str, work: Path, steps: int, save_step: int) -> None:
                 pending.result()  # one save in flight; surfaces its errors
             state = _train_state(model, optim, step)
             target = checkpoint if step == save_step else work / "periodic" / f"step{step}"
-            pending, stall = _timed(lambda: dcp.async_save(state, str(target), overwrite=True))
+            pending, stall = _timed(
+                lambda: dcp.async_save(state, str(target), overwrite=True))  # noqa: B023 (run now)
             if step == save_step:
                 result["save_seconds"] = stall
                 saved = _full_tensors(state)
@@ -374,8 +376,8 @@ def _report(work: Path, save_step: int) -> bool:
     print(f"  unique state    {unique:,} ({_mib(unique)}), disk/unique = {on_disk / unique:.3f}")
     for r in sorted(per_rank):
         print(f"  written by rank {r}: {per_rank[r]:,} ({_mib(per_rank[r])})")
-    print(f"save (async)      {a['save_seconds']:.3f} s training blocked  ({a['world_size']} ranks, "
-          f"{a['layout']}; a checkpoint every {SAVE_EVERY} steps)")
+    print(f"save (async)      {a['save_seconds']:.3f} s training blocked  "
+          f"({a['world_size']} ranks, {a['layout']}; a checkpoint every {SAVE_EVERY} steps)")
     print(f"load              {b['load_seconds']:.3f} s  ({b['world_size']} ranks, {b['layout']})")
 
     ok = True

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcp.orchestration.load import read_metadata
 from dcp.core.metadata import Metadata, ObjectMeta
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.interop.streaming import progress_bar, read_blob, read_tensor
+from dcp.orchestration.load import read_metadata
 
 # Same-size integer views for bitwise comparison, by item size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -81,7 +81,8 @@ def _compare_values(fqn: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff | 
     return TensorDiff(fqn, "values", differing=differing, numel=a.numel(), max_abs=max_abs)
 
 
-def _same_object(sa: StoragePlugin, a: ObjectMeta, sb: StoragePlugin, b: ObjectMeta, fqn: str) -> bool:
+def _same_object(sa: StoragePlugin, a: ObjectMeta, sb: StoragePlugin, b: ObjectMeta,
+                 fqn: str) -> bool:
     if (a.pickled is None) != (b.pickled is None):
         return False
     if a.pickled is None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from dcp.orchestration.load import read_metadata
 from dcp.core.metadata import METADATA_FILE, Metadata, checksum
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.interop.streaming import progress_bar
+from dcp.orchestration.load import read_metadata
 
 #: Default bytes read per block.
 DEFAULT_BLOCK_BYTES = 16 << 20
