@@ -14,6 +14,9 @@ class CheckpointError(Exception):
     incomplete checkpoints, and failures on other ranks (the message names the
     failing rank)."""
 
+    #: Set on the failure of a coordinated step: each failing rank's traceback text.
+    tracebacks: dict[int, str]
+
 
 class NotACheckpointError(CheckpointError):
     """The location holds no committed metadata: it was never a checkpoint,

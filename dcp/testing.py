@@ -401,13 +401,15 @@ def local_s3_server(*, min_part_size: int | None = None) -> Iterator[str]:
         env["S3_UPLOAD_PART_MIN_SIZE"] = str(min_part_size)
     server = subprocess.Popen([sys.executable, "-c", _S3_SERVER], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    stdin, stdout = server.stdin, server.stdout
+    assert stdin is not None and stdout is not None  # both opened as pipes above
     try:
-        port = server.stdout.readline().strip()
+        port = stdout.readline().strip()
         if not port:
             raise RuntimeError(f"moto's S3 server did not start (exit status {server.wait()})")
         yield f"http://127.0.0.1:{int(port)}"
     finally:
-        server.stdin.close()
+        stdin.close()
         try:
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -171,7 +171,7 @@ class _Options:
     timeout: float
 
 
-def _as_error(e: Exception, rank: int, what: str) -> CheckpointError:
+def _as_error(e: BaseException, rank: int, what: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     return CheckpointError(f"rank {rank}: {what} failed: {type(e).__name__}: {e}")
@@ -211,7 +211,7 @@ class _Saver:
         if isinstance(base, dist.TCPStore):
             address: tuple = ("tcp", base.host, base.port)
         elif isinstance(base, dist.FileStore):
-            address = ("file", base.path)
+            address = ("file", base.path)  # type: ignore[attr-defined]  # torch's stub omits it
         else:
             raise CheckpointError(
                 f"coordination='gloo' needs a TCP or file rendezvous store (torchrun's, or "

@@ -128,8 +128,9 @@ class Stager:
         before the future is done.
         """
         specs = _specs(state)
-        if self.layout is None or self.layout.chunks != specs:
-            self._allocate(specs)
+        layout = self.layout
+        if layout is None or layout.chunks != specs:
+            layout = self._allocate(specs)
         sources = [chunk.data.detach() for chunk in state.chunks.values()]
         self.bytes_staged += sum(s.nbytes for s in specs)
         staged: Future = Future()
@@ -163,9 +164,9 @@ class Stager:
                 else:
                     staged.set_result(None)
             threading.Thread(target=run, name="dcp-staging", daemon=True).start()
-        return self.layout, staged
+        return layout, staged
 
-    def _allocate(self, specs: list[ChunkSpec]) -> None:
+    def _allocate(self, specs: list[ChunkSpec]) -> Layout:
         end = specs[-1].byte_offset + specs[-1].nbytes if specs else 0
         # a page more than needed, so that offsets count from a page boundary
         # whatever header the allocator puts first (torch's "file_system"
@@ -178,3 +179,4 @@ class Stager:
         self.layout = Layout(buffer, specs)
         self._views = self.layout.views()
         self.allocations += 1
+        return self.layout

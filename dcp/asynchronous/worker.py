@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -209,7 +209,8 @@ class _Worker:
         cleanup: Callable[[], None] = lambda: None  # noqa: E731
         try:
             storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
-            planner = job.planner if job.planner is not None else default_planner("save")
+            planner = (job.planner if job.planner is not None
+                       else cast(SavePlanner, default_planner("save")))
             state = self.layout.state(job.json_values, job.pickled) if self.layout else SaveState()
 
             def describe() -> SaveState:
@@ -218,8 +219,8 @@ class _Worker:
                 return state
 
             if job.coordination == "none":
-                coord = LocalCoordinator(job.rank, job.world_size)
-                independent = IndependentSave(describe, storage, planner, coord, job.overwrite)
+                local = LocalCoordinator(job.rank, job.world_size)
+                independent = IndependentSave(describe, storage, planner, local, job.overwrite)
                 metadata = independent.run(job.save_id)
                 outcome = Outcome(job.seq, metadata)
             else:
@@ -255,6 +256,8 @@ class _Worker:
         """Make the worker's default process group the gloo group of the
         job's rendezvous, rebuilt (as group ``seq``) if any rank needs it."""
         rendezvous, rank, world_size = job.rendezvous, job.rank, job.world_size
+        if rendezvous is None:  # the trainer found no store to share; job.error says why
+            raise job.error or CheckpointError(f"rank {rank}: no rendezvous store for the group")
         arrival = datetime.timedelta(seconds=max(job.timeout, RENDEZVOUS_S))
         if self.store is None:
             kind, *where = rendezvous.store

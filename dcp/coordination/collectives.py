@@ -122,7 +122,8 @@ class CoordinatorBase(abc.ABC):
         else:
             detail = "; ".join(f"rank {f.rank}: {f.message}" for f in failures)
         kinds = {f.kind for f in failures}
-        cls = getattr(errors, kinds.pop()) if len(kinds) == 1 else CheckpointError
+        cls: type[CheckpointError] = (getattr(errors, kinds.pop()) if len(kinds) == 1
+                                      else CheckpointError)
         error = cls(f"{phase} failed on rank {ranks}: {detail}")
         error.tracebacks = {f.rank: f.trace for f in failures}
         raise error from local
@@ -137,7 +138,8 @@ class CoordinatorBase(abc.ABC):
         n = self._next_step()
         local, failure, exc = _capture(self.rank, local_fn)
         gathered = self._transport(phase, lambda: self._gather(n, phase, (local, failure)))
-        shared, reply = False, None
+        shared = False
+        reply: Any = None  # (value, failures) for every rank, or one such pair per rank
         if self.is_coordinator:
             failures = [f for _, f in gathered if f is not None]
             if not failures:

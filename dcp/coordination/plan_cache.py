@@ -44,6 +44,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from dcp.coordination.collectives import PerRank
 from dcp.core.metadata import Metadata
@@ -163,7 +164,8 @@ class PlanCache:
             mine.update(decls=dict(job.decls))
             return PerRank(final)
 
-        def decide(parts: list[tuple[str, str, object, object]]):
+        # each part: (kind, key, marks or tokens, plan or write result), by kind
+        def decide(parts: list[tuple[str, str, Any, Any]]):
             keys = [key for _, key, _, _ in parts]
             mine["keys"] = keys
             for own in mine["found"]:

@@ -50,6 +50,8 @@ def register(cls: type, to_wire: Callable[[Any], Any] | None = None,
             if not isinstance(fields, dict) or set(fields) != names:
                 raise ValueError(f"fields of {cls.__name__} must be {sorted(names)}")
             return cls(**fields)
+    elif from_wire is None:
+        raise TypeError(f"{cls!r}: give from_wire with to_wire")
     _CODECS[cls.__name__] = (cls, to_wire, from_wire)
 
 

@@ -19,7 +19,7 @@ import base64
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import crc32c
 import numpy as np
@@ -93,18 +93,18 @@ class TensorMeta:
     costs array decoding, not millions of Python objects.
     """
 
-    __slots__ = ("shape", "dtype", "_chunks", "_table")
+    __slots__ = ("shape", "dtype", "_store")
 
     def __init__(self, shape, dtype: str, chunks=None) -> None:
         self.shape = tuple(shape)
         self.dtype = dtype
-        self._chunks: list[ChunkMeta] | None = list(chunks) if chunks is not None else []
-        self._table: _ChunkTable | None = None
+        # the chunks as rows; a decoded tensor's as its columnar table until rows are asked for
+        self._store: list[ChunkMeta] | _ChunkTable = list(chunks) if chunks is not None else []
 
     @classmethod
     def _from_table(cls, shape, dtype: str, table: _ChunkTable) -> TensorMeta:
         meta = cls(shape, dtype)
-        meta._chunks, meta._table = None, table
+        meta._store = table
         return meta
 
     def check_coverage(self, fqn: str, where: str) -> None:
@@ -119,10 +119,9 @@ class TensorMeta:
 
     @property
     def chunks(self) -> list[ChunkMeta]:
-        if self._chunks is None:
-            self._chunks = self._table.rows(DTYPE_ITEMSIZE[self.dtype])
-            self._table = None
-        return self._chunks
+        if isinstance(self._store, _ChunkTable):
+            self._store = self._store.rows(DTYPE_ITEMSIZE[self.dtype])
+        return self._store
 
     @property
     def nbytes(self) -> int:
@@ -132,21 +131,24 @@ class TensorMeta:
     @property
     def stored_bytes(self) -> int:
         """Bytes of its saved chunks."""
-        if self._table is not None:
-            return int(self._table.sizes.prod(axis=1).sum()) * DTYPE_ITEMSIZE[self.dtype]
-        return sum(c.nbytes for c in self._chunks)
+        store = self._store
+        if isinstance(store, _ChunkTable):
+            return int(store.sizes.prod(axis=1).sum()) * DTYPE_ITEMSIZE[self.dtype]
+        return sum(c.nbytes for c in store)
 
     def files(self) -> set[str]:
         """Data files holding its chunks."""
-        if self._table is not None:
-            return {self._table.files[i] for i in np.unique(self._table.file).tolist()}
-        return {c.file for c in self._chunks}
+        store = self._store
+        if isinstance(store, _ChunkTable):
+            return {store.files[i] for i in np.unique(store.file).tolist()}
+        return {c.file for c in store}
 
     def table(self) -> _ChunkTable:
         """Its chunks as a columnar table."""
-        if self._table is not None:
-            return self._table
-        return _ChunkTable.from_rows(self._chunks, len(self.shape))
+        store = self._store
+        if isinstance(store, _ChunkTable):
+            return store
+        return _ChunkTable.from_rows(store, len(self.shape))
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, TensorMeta) and (self.shape, self.dtype, self.chunks)
@@ -284,8 +286,9 @@ def encode(md: Metadata) -> bytes:
                 pending[name] = []
 
     for fqn, t in md.tensors.items():
-        if t._table is None:
-            chunks = t._chunks
+        store = t._store
+        if not isinstance(store, _ChunkTable):
+            chunks = store
             for c in chunks:
                 pending["offsets"].extend(c.offsets)
                 pending["sizes"].extend(c.sizes)
@@ -296,7 +299,7 @@ def encode(md: Metadata) -> bytes:
             count = len(chunks)
         else:
             flush()
-            table = t._table
+            table = store
             remap = np.array([index.setdefault(f, len(index)) for f in table.files] or [0],
                              dtype=np.int64)
             for name in _COLUMNS:
@@ -339,7 +342,7 @@ def encode(md: Metadata) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
 
-def _fail(where: str, problem: str):
+def _fail(where: str, problem: str) -> NoReturn:
     raise CorruptCheckpointError(f"{where}: invalid metadata: {problem}")
 
 
@@ -423,7 +426,7 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     doc = _dict(doc, where, "document")
     if doc.get("format") != FORMAT:
         _fail(where, f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
-    version = doc.get("version")
+    version: Any = doc.get("version")  # a JSON value, checked just below
     if version != VERSION:
         _fail(where, f"unsupported version {version!r:.40} (this build reads {VERSION})")
     if doc.get("checksum") != CHECKSUM:
@@ -478,9 +481,10 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
         ndim = len(shape)
         offsets = columns["offsets"][dim0:dim0 + count * ndim].reshape(count, ndim)
         sizes = columns["sizes"][dim0:dim0 + count * ndim].reshape(count, ndim)
-        md.tensors[fqn] = TensorMeta._from_table(shape, dtype, _ChunkTable(
-            offsets, sizes, *(columns[n][start:start + count]
-                              for n in ("file", "byte_offset", "checksum", "rank")), files))
+        file, byte_offset, crc, rank = (columns[n][start:start + count]
+                                        for n in ("file", "byte_offset", "checksum", "rank"))
+        md.tensors[fqn] = TensorMeta._from_table(
+            shape, dtype, _ChunkTable(offsets, sizes, file, byte_offset, crc, rank, files))
 
     def file_at(i, ctx):
         _int(i, ctx, "file index")

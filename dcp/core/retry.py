@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -71,7 +71,8 @@ class RetryPolicy:
                 return fn()
             except Exception as e:  # classified below; anything else propagates unchanged
                 if attempt >= self.max_attempts or not transient(e):
-                    e.attempts = attempt
+                    tagged: Any = e  # any exception type: the count is a foreign attribute
+                    tagged.attempts = attempt
                     raise
             attempt += 1
             time.sleep(self.delay_s(attempt))

@@ -12,7 +12,7 @@ single leaf, as in PyTorch DCP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,7 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool]) -> dict[str, Lea
         return False
 
     def visit(value, container, key, fqn: str):
+        items: Iterable[tuple[Any, Any]]
         if isinstance(value, dict) and (value or container is None):
             items = value.items()
         elif isinstance(value, (list, tuple)) and holds_tensor(value):

@@ -125,7 +125,8 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
     counts as held by this rank alone (its replicas are not knowable)."""
     if isinstance(value, DTensor):
-        mesh, coordinate = value.device_mesh, value.device_mesh.get_coordinate() or []
+        mesh = value.device_mesh
+        coordinate: Sequence[int] = mesh.get_coordinate() or ()
         index, count = 0, 1
         for dim, placement in enumerate(value.placements):
             if placement.is_replicate():
@@ -147,7 +148,9 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without copying (writable)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # ndarray has the buffer protocol; numpy's stubs declare it for Python 3.12+ only
+    array = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]
 
 
 def empty_host(sizes: Sequence[int], dtype: str) -> torch.Tensor:

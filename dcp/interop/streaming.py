@@ -261,11 +261,11 @@ class CheckpointWriter:
         """Add a non-tensor value: stored as JSON, or pickled if the writer
         allows it.  Raises :class:`CheckpointError` naming ``fqn`` otherwise."""
         self._claim(fqn)
-        text, blob = encode_object(fqn, value, self.allow_pickle)
-        if blob is None:
-            self.metadata.objects[fqn] = ObjectMeta(value=json.loads(text))
+        encoded = encode_object(fqn, value, self.allow_pickle)
+        if isinstance(encoded, str):
+            self.metadata.objects[fqn] = ObjectMeta(value=json.loads(encoded))
         else:
-            self._pickled[fqn] = blob
+            self._pickled[fqn] = encoded
 
     def _write(self, name: str, buffers) -> None:
         self._written.append(name)  # before writing: a partial file is deleted too

@@ -177,9 +177,9 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
                 writer.add_tensor(names[fqn], state.pop(fqn))
                 bar.update(nbytes(m))
         if objects:
-            state = dict.fromkeys(objects)
-            load_from_torch(state)
-            for fqn, value in state.items():
+            values = dict.fromkeys(objects)
+            load_from_torch(values)
+            for fqn, value in values.items():
                 writer.add_object(names[fqn], value)
         return writer.commit()
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
@@ -130,6 +130,7 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     for rank, result in enumerate(results):
         for key, value in result.replicas.items():
             chunk = written[key]
+            expected: int | None  # the value's fingerprint, or its checksum (None: no checksum)
             if key in results[chunk.rank].replicas:  # written in pieces
                 expected, other = first_holder.setdefault(key, (value, rank))
             else:
@@ -177,16 +178,16 @@ def place_pickled(name: str, blobs: dict[str, bytes], md: Metadata) -> list[byte
     return list(blobs.values())
 
 
-def encode_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[str | None, bytes | None]:
-    """A non-tensor value as JSON text, or pickled bytes if the caller opted
-    in; raises :class:`CheckpointError` naming ``fqn`` otherwise."""
+def encode_object(fqn: str, value: Any, allow_pickle: bool) -> str | bytes:
+    """A non-tensor value as JSON text (``str``), or pickled ``bytes`` if the
+    caller opted in; raises :class:`CheckpointError` naming ``fqn`` otherwise."""
     if _is_json(value):
-        return json.dumps(value, sort_keys=True, allow_nan=True), None
+        return json.dumps(value, sort_keys=True, allow_nan=True)
     if not allow_pickle:
         raise CheckpointError(
             f"{fqn!r}: a value of type {type(value).__name__} is not JSON-representable; "
             f"convert it, or pass allow_pickle=True to save (and to load) it pickled")
-    return None, pickle.dumps(value)
+    return pickle.dumps(value)
 
 
 def _is_json(value: Any) -> bool:
@@ -237,11 +238,11 @@ def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
             state.chunks[(fqn, chunk.offsets)] = chunk
             state.slots[(fqn, chunk.offsets)] = tensors.replica_slot(leaf.value, rank, world_size)
         else:
-            text, blob = encode_object(fqn, leaf.value, allow_pickle)
-            if blob is None:
-                state.json_values[fqn] = text
+            encoded = encode_object(fqn, leaf.value, allow_pickle)
+            if isinstance(encoded, str):
+                state.json_values[fqn] = encoded
             else:
-                state.pickled[fqn] = blob
+                state.pickled[fqn] = encoded
     return state
 
 
@@ -359,7 +360,8 @@ class _Save:
         """Write one data file while ``hashers`` computes its chunks'
         checksums; returns its chunks' metadata and the fingerprints of those
         over :data:`REPLICA_SAMPLE_BYTES`."""
-        buffers, placed, offset = [], [], 0
+        buffers: list[memoryview | bytes] = []
+        placed, offset = [], 0
         align = self.storage.alignment
         for item in group:
             buf = self._bytes(item)
@@ -503,7 +505,7 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
     coordinator = Coordinator(process_group)
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
-    planner = planner if planner is not None else default_planner("save")
+    planner = planner if planner is not None else cast(SavePlanner, default_planner("save"))
     job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
                 overwrite)
     with gc_paused():

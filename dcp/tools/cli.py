@@ -227,6 +227,7 @@ def _convert(args) -> int:
               "progress": _progress(args)}
     started = time.perf_counter()
     src_options, dst_options = _options_for(args.src, options), _options_for(args.dst, options)
+    skipped: list[str]  # the values the target format cannot hold
     if (source, target) == ("safetensors", "hyperdcp"):
         md = safetensors_io.safetensors_to_checkpoint(
             args.src, args.dst, source_options=src_options, storage_options=dst_options, **common)

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +162,7 @@ def build_model(mesh: DeviceMesh) -> nn.Module:
             f"blocks.{i}.mlp.w2": RowwiseParallel(),
         })
     parallelize_module(model, mesh["tp"], plan)
-    if "dp" in mesh.mesh_dim_names:
+    if "dp" in (mesh.mesh_dim_names or ()):
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -196,6 +196,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """Flatten nested dicts/lists into dotted keys (fqns)."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(tree, dict):
         items = tree.items()
     elif isinstance(tree, (list, tuple)):
@@ -266,7 +267,7 @@ def _worker(phase: str, work: Path, steps: int, save_step: int) -> None:
     first_step, pending = 1, None
     if phase == "b":
         state = _train_state(model, optim, 0)
-        report, result["load_seconds"] = _timed(lambda: dcp.load(state, checkpoint))
+        report, result["load_seconds"] = _timed(lambda: dcp.load(state, str(checkpoint)))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
         first_step = state["step"] + 1
@@ -359,7 +360,7 @@ def _report(work: Path, save_step: int) -> bool:
     a = json.loads((work / "phase_a.json").read_text())
     b = json.loads((work / "phase_b.json").read_text())
     checkpoint = work / "checkpoint"
-    meta = dcp.read_metadata(checkpoint)
+    meta = dcp.read_metadata(str(checkpoint))
     on_disk = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
     unique = sum(math.prod(t.shape) * getattr(torch, t.dtype).itemsize
                  for t in meta.tensors.values())

@@ -83,11 +83,10 @@ def _compare_values(fqn: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff | 
 
 def _same_object(sa: StoragePlugin, a: ObjectMeta, sb: StoragePlugin, b: ObjectMeta,
                  fqn: str) -> bool:
-    if (a.pickled is None) != (b.pickled is None):
-        return False
-    if a.pickled is None:
-        return a.value == b.value
-    return read_blob(sa, fqn, a.pickled) == read_blob(sb, fqn, b.pickled)
+    pa, pb = a.pickled, b.pickled
+    if pa is None or pb is None:
+        return pa is None and pb is None and a.value == b.value
+    return read_blob(sa, fqn, pa) == read_blob(sb, fqn, pb)
 
 
 def diff(a: str, b: str, *, storage_a: StoragePlugin | None = None,
@@ -119,6 +118,7 @@ def diff(a: str, b: str, *, storage_a: StoragePlugin | None = None,
     with progress_bar(sum(ma.tensors[f].nbytes for f in common), "diff", progress) as bar:
         for fqn in common:
             ta, tb = ma.tensors[fqn], mb.tensors[fqn]
+            found: TensorDiff | None
             if ta.shape != tb.shape:
                 found = TensorDiff(fqn, "shape", f"{list(ta.shape)} vs {list(tb.shape)}")
             elif ta.dtype != tb.dtype:
