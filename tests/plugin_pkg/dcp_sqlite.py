@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Iterable, Iterator, Sequence
 
 from dcp.core.storage import StoragePlugin
 
@@ -29,8 +29,7 @@ class SqliteStorage(StoragePlugin):
         self.database = Path(checkpoint_id.removeprefix("sqlite://"))
         self.database.parent.mkdir(parents=True, exist_ok=True)
         with self._transaction() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS files "
-                       "(name TEXT PRIMARY KEY, data BLOB NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, data BLOB NOT NULL)")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
