@@ -2,10 +2,11 @@
 #   make demo   - installs, then runs the main job (`hyperdcp demo`)
 #   make test   - installs, then runs the whole test suite
 #   make bench  - installs with the bench extra (matplotlib), then runs every benchmark
+#   make lint   - installs with the lint extra (pinned ruff and mypy), then runs both
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench lint
 
 install:
 	$(PIP) torch==2.13.0
@@ -17,6 +18,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: install
+	$(PIP) -e '.[lint]'
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 bench: install
 	$(PIP) -e '.[bench]'
