@@ -6,18 +6,32 @@ read, so a checkpoint saved with one layout (TP8, Shard(0), ...) loads into
 another (TP4, Shard(1), ...) without offline conversion and without reading
 whole chunks for a slice.
 
-Global plan (``broadcast=True``, the default): a region — an intersection
-``(fqn, chunk, box)`` — that several ranks need (data-parallel replicas, a
-replicated tensor, or a slice several new-layout ranks share) is read from
-storage by one of them and broadcast to the rest, turning R reads into one.
-The reader is chosen to balance bytes read per rank: regions only one rank
-needs count first, then shared regions, largest first, go to the member with
-the fewest bytes so far (ties to the lowest rank).  Regions with the same
-group and reader are batched into transfers of about ``batch_bytes``.  A
-transfer whose members all share a host (the same non-empty
-``LoadPlan.host``) goes through host shared memory
-(:mod:`dcp.coordination.host_exchange`: one copy per receiver, no socket); the others
-are ``torch.distributed`` broadcasts (gloo, NCCL, HCCL).
+Global plan: a region — an intersection ``(fqn, chunk, box)`` — that
+several ranks need (data-parallel replicas, a replicated tensor, or a slice
+several new-layout ranks share) is read from storage once per replica
+group, or once per host of it where the host shares a cache of the storage,
+and reaches the other members by the cheapest path (``replica_path``):
+
+* ``page_cache`` — the storage's data is cached per host and shared by its
+  ranks (POSIX, network filesystems: the page cache;
+  :attr:`~dcp.core.read_cost.ReadCost.shared_cache`): on each host one
+  member pulls the region from storage and every other member reads it
+  itself, from the page cache — one storage read per host and one memory
+  copy per rank, nothing passed between ranks.
+* ``shared_memory`` — nothing is shared (object stores): one member reads,
+  passes the bytes to the members of its host through host shared memory
+  (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the
+  members on other hosts by ``torch.distributed`` broadcast (gloo, NCCL,
+  HCCL).  Storage bytes: once for the whole group.
+* ``broadcast`` — one member reads and broadcasts to all the others.
+* ``none`` — every rank reads all it needs itself.
+
+``auto`` (the default) takes ``page_cache`` where the storage's cache is
+shared and ``shared_memory`` elsewhere.  Readers (and pullers) are chosen
+to balance the bytes each rank takes from storage: regions only one rank
+needs count first, then shared regions, largest first, go to the member
+with the fewest bytes so far (ties to the lowest rank).  Regions with the
+same group and reader are batched into transfers of about ``batch_bytes``.
 """
 
 from __future__ import annotations
@@ -28,24 +42,32 @@ from itertools import zip_longest
 from dcp.core.boxes import intersect_many, volume
 from dcp.errors import CheckpointError
 from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata
-from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer
+from dcp.core.planner import (BROADCAST, PAGE_CACHE, SHARED_MEMORY, LoadPlan, LoadPlanner,
+                              ReadItem, ReadRequest, Transfer)
+
+
+REPLICA_PATHS = ("auto", PAGE_CACHE, SHARED_MEMORY, BROADCAST, "none")
 
 
 class DefaultLoadPlanner(LoadPlanner):
-    """Key matching, box intersection, and read-once-then-broadcast.
+    """Key matching, box intersection, and each replica group's region read
+    once (per host where the page cache is shared), passed on by the
+    cheapest path.
 
-    ``broadcast=False`` makes every rank read all it needs itself (for
-    storage where reads are cheaper than the network).  ``batch_bytes``
-    (default 16 MiB) is the size up to which small regions are packed into
-    one transfer.  ``shared_memory=False`` sends every transfer by
-    ``torch.distributed`` broadcast, even between ranks of one host.
+    ``replica_path`` is one of :data:`REPLICA_PATHS` (see the module
+    docstring; ``"auto"`` by default).  ``batch_bytes`` (default 16 MiB) is
+    the size up to which small regions are packed into one transfer.
+
+    Raises:
+        CheckpointError: an unknown ``replica_path``.
     """
 
-    def __init__(self, broadcast: bool = True, batch_bytes: int = 16 << 20,
-                 shared_memory: bool = True) -> None:
-        self.broadcast = broadcast
+    def __init__(self, replica_path: str = "auto", batch_bytes: int = 16 << 20) -> None:
+        if replica_path not in REPLICA_PATHS:
+            raise CheckpointError(f"replica_path must be one of {', '.join(REPLICA_PATHS)}, "
+                                  f"not {replica_path!r}")
+        self.replica_path = replica_path
         self.batch_bytes = batch_bytes
-        self.shared_memory = shared_memory
 
     def create_local_plan(self, metadata: Metadata, requests: list[ReadRequest],
                           objects: list[str], *, strict: bool,
@@ -87,8 +109,15 @@ class DefaultLoadPlanner(LoadPlanner):
                 f"{', '.join(plan.missing_keys)} (pass strict=False to load the rest)")
         return plan
 
+    def resolve_path(self, plans: list[LoadPlan]) -> str:
+        """The path every replica group of this load takes."""
+        if self.replica_path != "auto":
+            return self.replica_path
+        return PAGE_CACHE if plans and plans[0].shared_cache else SHARED_MEMORY
+
     def create_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if not self.broadcast or len(plans) == 1:
+        path = self.resolve_path(plans)
+        if path == "none" or len(plans) == 1:
             return plans
         needers: dict[tuple, list[tuple[int, ReadItem]]] = defaultdict(list)
         for rank, plan in enumerate(plans):
@@ -106,28 +135,50 @@ class DefaultLoadPlanner(LoadPlanner):
             else:
                 shared.append(key)
         shared.sort(key=lambda k: (-needers[k][0][1].nbytes, k))
-        by_group: dict[tuple[tuple[int, ...], int], list[tuple]] = defaultdict(list)
+        hosts = [p.host for p in plans]
+        moved: dict[tuple[tuple[int, ...], str], int] = defaultdict(int)
+        by_group: dict[tuple[tuple[int, ...], int, bool], list[tuple]] = defaultdict(list)
         for key in shared:
             holders = dict(needers[key])
-            src = min(holders, key=lambda r: (read[r], r))
-            read[src] += holders[src].nbytes
+            ranks = tuple(sorted(holders))
+            nbytes = holders[ranks[0]].nbytes
+            if path == PAGE_CACHE:
+                for part in _by_host(ranks, hosts):
+                    puller = _least_read(part, read)
+                    read[puller] += nbytes
+                    final[puller].items.append(holders[puller])
+                    moved[(ranks, "storage")] += nbytes
+                    for r in part:
+                        if r != puller:
+                            final[r].cached.append(holders[r])
+                            moved[(ranks, PAGE_CACHE)] += nbytes
+                continue
+            src = _least_read(ranks, read)
+            read[src] += nbytes
             final[src].items.append(holders[src])
-            by_group[(tuple(sorted(holders)), src)].append(key)
-        # one stream of batches per (group, reader), interleaved so that every
-        # reader's first broadcast comes early in the order all ranks follow
-        streams = [[(ranks, src, batch) for batch in self._batches(keys, needers)]
-                   for (ranks, src), keys in sorted(by_group.items())]
-        hosts = [p.host for p in plans]
-        same_host = {ranks: self.shared_memory and bool(hosts[ranks[0]])
-                     and all(hosts[r] == hosts[ranks[0]] for r in ranks)
-                     for ranks, _ in by_group}
-        for ranks, src, batch in (b for wave in zip_longest(*streams) for b in wave if b):
+            moved[(ranks, "storage")] += nbytes
+            local: tuple[int, ...] = ()
+            if path == SHARED_MEMORY and hosts[src] and plans[src].shared_memory:
+                local = tuple(r for r in ranks if r != src and hosts[r] == hosts[src]
+                              and plans[r].shared_memory)
+            remote = tuple(r for r in ranks if r != src and r not in local)
+            for members, shm in ((local, True), (remote, False)):
+                if members:
+                    by_group[(tuple(sorted((src, *members))), src, shm)].append(key)
+                    moved[(ranks, SHARED_MEMORY if shm else BROADCAST)] += nbytes * len(members)
+        # one stream of batches per (group, reader, path), interleaved so that
+        # every reader's first transfer comes early in the order all ranks follow
+        streams = [[(ranks, src, shm, batch) for batch in self._batches(keys, needers)]
+                   for (ranks, src, shm), keys in sorted(by_group.items())]
+        for ranks, src, shm, batch in (b for wave in zip_longest(*streams) for b in wave if b):
             for rank in ranks:
                 items = tuple(item for k in batch for r, item in needers[k] if r == rank)
-                final[rank].transfers.append(Transfer(ranks, src, items, same_host[ranks]))
-        groups = sorted(ranks for ranks, shm in same_host.items() if not shm)
+                final[rank].transfers.append(Transfer(ranks, src, items, shm))
+        groups = sorted({ranks for ranks, _, shm in by_group if not shm})
+        paths = sorted((ranks, way, n) for (ranks, way), n in moved.items())
         for plan in final:
             plan.groups = groups
+            plan.paths = paths
         return final
 
     def _batches(self, keys: list[tuple], needers) -> list[list[tuple]]:
@@ -140,3 +191,18 @@ class DefaultLoadPlanner(LoadPlanner):
             batches[-1].append(key)
             size += nbytes
         return batches
+
+
+def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
+    """``ranks`` split by host, in rank order; a rank with no host (``""``)
+    is a host of its own."""
+    parts: dict[str, list[int]] = defaultdict(list)
+    for r in ranks:
+        parts[hosts[r] or f"rank {r}"].append(r)
+    return [tuple(p) for p in parts.values()]
+
+
+def _least_read(ranks: tuple[int, ...], read: list[int]) -> int:
+    """The rank of ``ranks`` with the fewest bytes to read so far (ties to
+    the lowest)."""
+    return min(ranks, key=lambda r: (read[r], r))

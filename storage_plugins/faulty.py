@@ -107,6 +107,7 @@ class FaultyStorage(StoragePlugin):
         self.methods, self.seed = frozenset(methods), seed
         self.partial_writes, self.delay_s = partial_writes, delay_s
         self.thread_count, self.alignment = self.inner.thread_count, self.inner.alignment
+        self.read_cost = self.inner.read_cost
         self.retry_policy = self.inner.retry_policy
         self.injected: collections.Counter = collections.Counter()
         self._calls: collections.Counter = collections.Counter()  # (method, name) -> calls

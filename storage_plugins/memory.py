@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from dcp.core.read_cost import ReadCost
 from storage_plugins.fsspec_store import FsspecStorage
 
 
@@ -27,6 +28,12 @@ class MemoryStorage(FsspecStorage):
     """
 
     _commit_lock = threading.Lock()
+
+    def default_read_cost(self) -> ReadCost:
+        """Memory of this process: ~2 µs a call, ~8 GB/s, not shared
+        between processes."""
+        return ReadCost(latency_s=2e-6, bandwidth_bps=8e9, concurrency=1,
+                        max_request_bytes=self.part_size, shared_cache=False)
 
     def commit_file(self, name: str, data: bytes, *, overwrite: bool) -> None:
         with self._commit_lock:

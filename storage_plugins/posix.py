@@ -31,8 +31,11 @@ which on Linux starts writeback of dirty pages without waiting for it), so
 the final ``fsync`` waits only for the tail.
 
 Reads use ``preadv`` into the destination buffers (through the page cache,
-which replicas on one host share), so a resharded load reads only the byte
-ranges it needs.  Commit is the classic atomic publish: temporary file,
+which replicas on one host share: :attr:`ReadCost.shared_cache`), one
+system call per coalesced request, its gap bytes landing in a scratch view.
+Read cost: 0.1 ms to the first byte of a cold local disk and 2 GB/s, so
+gaps up to 200 KB are read through (a Shard(0) -> Shard(1) load reads whole
+chunks in a few calls instead of one per row).  Commit is the classic atomic publish: temporary file,
 ``fsync``, ``rename`` (or ``link`` when the name must not exist yet), then
 ``fsync`` of the directory so the new name survives a power loss.
 """
@@ -46,7 +49,11 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from dcp.core.read_cost import ReadCost
 from dcp.core.storage import StoragePlugin
+
+#: Buffers one ``preadv`` call takes at most (Linux's ``IOV_MAX``).
+IOV_MAX = 1024
 
 WRITEBACK_BYTES = 2 << 20  # bytes written before their writeback is started
 #: Direct I/O granularity, in bytes: file offsets, lengths and memory
@@ -87,6 +94,8 @@ class PosixStorage(StoragePlugin):
         self.fsync = fsync
         self.direct_io = bool(direct_io) and fsync
         self.alignment = DIRECT_ALIGNMENT if self.direct_io else 1
+        self.read_cost = ReadCost(latency_s=1e-4, bandwidth_bps=2e9, concurrency=1,
+                                  max_request_bytes=64 << 20, shared_cache=True)
 
     def _path(self, name: str) -> Path:
         return self.root / name
@@ -155,18 +164,15 @@ class PosixStorage(StoragePlugin):
         return done
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
-        fd = os.open(self._path(name), os.O_RDONLY)
+        self.read_requests(name, [(offset, [buf]) for offset, buf in ranges])
+
+    def read_requests(self, name: str,
+                      requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        path = self._path(name)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            for offset, buf in ranges:
-                if os.preadv(fd, [buf], offset) != len(buf):  # short read: finish it
-                    view = memoryview(buf).cast("B")
-                    done = 0
-                    while done < len(view):
-                        n = os.preadv(fd, [view[done:]], offset + done)
-                        if n == 0:
-                            raise EOFError(f"{self._path(name)} ends before byte "
-                                           f"{offset + len(view)} (truncated)")
-                        done += n
+            for offset, views in requests:
+                _preadv_all(fd, [memoryview(v).cast("B") for v in views], offset, path)
         finally:
             os.close(fd)
 
@@ -209,3 +215,22 @@ class PosixStorage(StoragePlugin):
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             self._path(name).unlink(missing_ok=True)
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` with the bytes of ``fd`` from ``offset`` on, in as few
+    ``preadv`` calls as the kernel allows (``IOV_MAX`` buffers a call; a
+    short read resumes where it stopped)."""
+    views = [v for v in views if len(v)]
+    first = 0
+    while first < len(views):
+        n = os.preadv(fd, views[first:first + IOV_MAX], offset)
+        if n == 0:
+            missing = sum(len(v) for v in views[first:])
+            raise EOFError(f"{path} ends before byte {offset + missing} (truncated)")
+        offset += n
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]

@@ -17,13 +17,15 @@ Clean-up: ``overwrite=True`` saves delete the data files they replace;
 
 Options: ``root`` (default ``/dev/shm/hyperdcp``, any tmpfs directory) and
 ``thread_count`` (default 4).  Nothing is ``fsync``-ed: tmpfs has no disk to
-sync to, and a reboot loses the files anyway.
+sync to, and a reboot loses the files anyway.  Read cost: memory, ~5 µs a
+call and ~8 GB/s, shared by the host's ranks like a page cache.
 """
 
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
+from dcp.core.read_cost import ReadCost
 from dcp.errors import CheckpointError
 from storage_plugins.posix import PosixStorage
 
@@ -42,3 +44,5 @@ class ShmStorage(PosixStorage):
             raise CheckpointError(f"{checkpoint_id!r} is not a shared-memory checkpoint id: write "
                                   f"shm://name[/path] (a relative path without '..')")
         self.root = Path(root) / relative
+        self.read_cost = ReadCost(latency_s=5e-6, bandwidth_bps=8e9, concurrency=1,
+                                  max_request_bytes=64 << 20, shared_cache=True)

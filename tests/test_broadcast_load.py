@@ -1,8 +1,10 @@
 """Read once per replica group, pass to the rest (4 gloo ranks).
 
-All ranks share this host, so the default planner passes regions through
-host shared memory; ``DefaultLoadPlanner(shared_memory=False)`` forces
-``torch.distributed`` broadcasts, and both transports run in every scenario.
+All ranks share this host and POSIX storage shares its page cache, so the
+default planner takes the page cache path (one rank pulls a region, the
+others read it from the cache); ``replica_path="shared_memory"`` passes it
+through host shared memory and ``"broadcast"`` by ``torch.distributed``
+broadcasts: every path runs in every scenario.
 Each scenario checks values element-exact and the bytes each rank read from
 storage (``LoadReport.bytes_read``), summed over ranks with an all-gather.
 """
@@ -24,7 +26,8 @@ from dist_harness import dist_scenario
 from planners.load import DefaultLoadPlanner
 from storage_plugins.posix import PosixStorage
 
-TRANSPORTS = [DefaultLoadPlanner(), DefaultLoadPlanner(shared_memory=False)]
+TRANSPORTS = [DefaultLoadPlanner(), DefaultLoadPlanner(replica_path="shared_memory"),
+              DefaultLoadPlanner(replica_path="broadcast")]
 
 
 def _exchange_files():
@@ -54,7 +57,7 @@ def test_replicated_state_is_read_once_and_balanced(ctx):
         # 256 KiB in flight: every rank waits for its receivers over and over
         report = dcp.load(target, ckpt, planner=planner, max_inflight_bytes=256 << 10)
         for k, v in full.items():
-            assert torch.equal(target[k], v), (k, planner.shared_memory)
+            assert torch.equal(target[k], v), (k, planner.replica_path)
         assert len(_world.pg_map) == groups_before, "groups created for the load were not destroyed"
         read = _gather(report.bytes_read)
         assert abs(sum(read) - md.stored_bytes) <= 0.01 * md.stored_bytes, (read, md.stored_bytes)
@@ -64,7 +67,7 @@ def test_replicated_state_is_read_once_and_balanced(ctx):
 
     # broadcast off: every rank reads everything itself, same values
     target = {k: torch.zeros_like(v) for k, v in full.items()}
-    report = dcp.load(target, ckpt, planner=DefaultLoadPlanner(broadcast=False))
+    report = dcp.load(target, ckpt, planner=DefaultLoadPlanner(replica_path="none"))
     for k, v in full.items():
         assert torch.equal(target[k], v), k
     assert _gather(report.bytes_read) == [md.stored_bytes] * 4
@@ -87,7 +90,7 @@ def test_dp2_tp2_reads_each_tp_shard_once(ctx):
                   for k, v in full.items()}
         report = dcp.load(target, ckpt, planner=planner)
         for k, v in full.items():
-            assert torch.equal(target[k].full_tensor(), v), (k, planner.shared_memory)
+            assert torch.equal(target[k].full_tensor(), v), (k, planner.replica_path)
         assert sum(_gather(report.bytes_read)) == md.stored_bytes
 
 
@@ -104,13 +107,15 @@ def test_broadcast_composes_with_resharding(ctx):
     ckpt = str(ctx.dir / "ckpt")
     md = dcp.save(sd, ckpt)
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    for planner in [*TRANSPORTS, DefaultLoadPlanner(broadcast=False)]:
-        broadcast = planner.broadcast
+    for planner in [*TRANSPORTS, DefaultLoadPlanner(replica_path="none")]:
+        broadcast = planner.replica_path != "none"
         target = {"x": distribute_tensor(torch.zeros(40, 64), mesh2, [Replicate(), Shard(1)]),
                   "y": distribute_tensor(torch.zeros(6, 10, dtype=torch.float64), mesh2,
                                          [Replicate(), Shard(1)]),
                   "s": torch.tensor(0.0)}
-        report = dcp.load(target, ckpt, planner=planner)
+        # no coalescing (zero latency): bytes read are exactly the regions'
+        report = dcp.load(target, ckpt, planner=planner,
+                          storage_options={"read_cost": {"latency_s": 0}})
         for k in ("x", "y"):
             assert torch.equal(target[k].full_tensor(), full[k]), (k, broadcast)
         assert torch.equal(target["s"], full["s"])
@@ -126,10 +131,10 @@ class _FailingReads(PosixStorage):
         super().__init__(path)
         self.fail = dist.get_rank() == fail_rank
 
-    def read_ranges(self, name, ranges):
+    def read_requests(self, name, requests):
         if self.fail:
             raise OSError(5, "injected EIO", name)
-        super().read_ranges(name, ranges)
+        super().read_requests(name, requests)
 
 
 @dist_scenario(world_size=4, last=True)
@@ -150,7 +155,7 @@ def test_read_error_on_a_reading_rank_raises_on_all(ctx):
 
 
 def _plan(host, items):
-    return LoadPlan(items=list(items), host=host)
+    return LoadPlan(items=list(items), host=host, shared_memory=bool(host))
 
 
 def test_transport_follows_hosts():
@@ -159,16 +164,18 @@ def test_transport_follows_hosts():
     process groups."""
     a = ReadItem("w", 0, 0, (0,), (4,), 16)
     b = ReadItem("w", 0, 1, (4,), (4,), 16)
-    planner = DefaultLoadPlanner()
+    planner = DefaultLoadPlanner(replica_path="shared_memory")
     # ranks 0,1 on host h1, ranks 2,3 on h2; chunk a needed by 0,1; b by all
     final = planner.create_global_plan([_plan("h1", [a, b]), _plan("h1", [a, b]),
                                         _plan("h2", [b]), _plan("h2", [b])])
     kinds = {(t.ranks, t.shared_memory) for p in final for t in p.transfers}
-    assert kinds == {((0, 1), True), ((0, 1, 2, 3), False)}
-    assert all(p.groups == [(0, 1, 2, 3)] for p in final)
+    # a: read by rank 0, to rank 1 through shared memory; b (balanced onto
+    # rank 1): to rank 0 through shared memory, to ranks 2 and 3 by broadcast
+    assert kinds == {((0, 1), True), ((1, 2, 3), False)}
+    assert all(p.groups == [(1, 2, 3)] for p in final)
     final = planner.create_global_plan([_plan("", [a]), _plan("", [a])])
     assert [t.shared_memory for p in final for t in p.transfers] == [False, False]
-    final = DefaultLoadPlanner(shared_memory=False).create_global_plan(
+    final = DefaultLoadPlanner(replica_path="broadcast").create_global_plan(
         [_plan("h1", [a]), _plan("h1", [a])])
     assert [t.shared_memory for p in final for t in p.transfers] == [False, False]
     assert final[0].groups == [(0, 1)]

@@ -116,17 +116,28 @@ def test_minilm_loads_straight_from_safetensors_resharded_with_ranged_reads(ctx)
     target = {k: zeros(shape, dtype=dtypes[dtype], device_mesh=mesh,
                        placements=[Shard(len(shape) - 1)])
               for k, (shape, dtype) in shapes.items()}
-    report = load_safetensors(target, str(MODEL))
-
     local_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in target.values())
-    assert report.bytes_read == local_bytes, (report.bytes_read, local_bytes)
     assert local_bytes < ORIGINAL.stat().st_size * 0.51
-    with safe_open(ORIGINAL, "pt") as f:
-        for k, t in target.items():
-            cols = math.ceil(t.shape[-1] / 2)
-            start, stop = ctx.rank * cols, min(t.shape[-1], (ctx.rank + 1) * cols)
-            expected = f.get_slice(k)[:, start:stop] if t.dim() == 2 else f.get_slice(k)[start:stop]
-            assert_bitwise_equal(t.to_local(), expected, k)
+    # by POSIX's read cost the half rows' gaps are cheaper to read through
+    # than to skip: a few large requests; with no latency, exactly the
+    # bytes held, one request a run
+    for read_cost, exact in (None, False), ({"latency_s": 0}, True):
+        for t in target.values():
+            t.to_local().zero_()
+        options = None if read_cost is None else {"read_cost": read_cost}
+        report = load_safetensors(target, str(MODEL), storage_options=options)
+        if exact:
+            assert report.bytes_read == local_bytes, (report.bytes_read, local_bytes)
+        else:
+            assert report.requests <= 10, report.requests
+            assert local_bytes < report.bytes_read <= ORIGINAL.stat().st_size
+        with safe_open(ORIGINAL, "pt") as f:
+            for k, t in target.items():
+                cols = math.ceil(t.shape[-1] / 2)
+                start, stop = ctx.rank * cols, min(t.shape[-1], (ctx.rank + 1) * cols)
+                expected = (f.get_slice(k)[:, start:stop] if t.dim() == 2
+                            else f.get_slice(k)[start:stop])
+                assert_bitwise_equal(t.to_local(), expected, k)
 
 
 def test_minilm_export_is_byte_identical_and_gives_the_same_embeddings(dist_groups, tmp_path):

@@ -14,8 +14,10 @@ import abc
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
-from dcp.errors import CheckpointError
+from dcp.core import read_plan
 from dcp.core.metadata import Metadata
+from dcp.core.read_cost import ReadCost
+from dcp.errors import CheckpointError
 
 PLANNER_GROUP = "dcp.planners"
 
@@ -120,17 +122,32 @@ class Transfer:
         return sum(i.nbytes for i in self.items)
 
 
+#: The paths a region read once per replica group takes to the other
+#: members: every member reads it itself after one has pulled it into the
+#: host's shared cache; through host shared memory; by broadcast.
+PAGE_CACHE, SHARED_MEMORY, BROADCAST = "page_cache", "shared_memory", "broadcast"
+
+
 @dataclass
 class LoadPlan:
     """A rank's reads, and the keys that did not match the checkpoint.
 
     ``items`` are read from storage by this rank (those of transfers it is
-    the source of included); ``transfers`` are the broadcasts it takes part
-    in, in the order every member runs them; ``groups`` lists the replica
-    groups of the load's broadcasts, which all ranks create in this order.
-    ``host`` (set by the loader on local plans) names the rank's
-    shared-memory domain: ranks with the same non-empty ``host`` can pass
-    bytes through host shared memory.
+    the source of included); ``cached`` are read by this rank too, but after
+    another member of its host has pulled them into the storage's shared
+    cache (the page cache path: a memory copy, not a storage read);
+    ``transfers`` are the broadcasts it takes part in, in the order every
+    member runs them; ``groups`` lists the replica groups of the load's
+    broadcasts, which all ranks create in this order.  ``paths`` (the same
+    on every rank) says, per replica group ``ranks``, which path its regions
+    took and how many bytes went each way: ``(ranks, path, nbytes)``.
+
+    Set by the loader on local plans: ``host`` names the rank's host (ranks
+    with the same non-empty ``host`` share its page cache and shared
+    memory); ``shared_memory`` whether the rank can receive through host
+    shared memory (its transfers run in host memory, not on an accelerator
+    communicator); ``shared_cache`` is the storage's
+    :attr:`~dcp.core.read_cost.ReadCost.shared_cache`.
     """
 
     items: list[ReadItem] = field(default_factory=list)
@@ -138,7 +155,11 @@ class LoadPlan:
     unexpected_keys: list[str] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     groups: list[tuple[int, ...]] = field(default_factory=list)
+    cached: list[ReadItem] = field(default_factory=list)
+    paths: list[tuple[tuple[int, ...], str, int]] = field(default_factory=list)
     host: str = ""
+    shared_memory: bool = False
+    shared_cache: bool = False
 
 
 class LoadPlanner(abc.ABC):
@@ -160,6 +181,21 @@ class LoadPlanner(abc.ABC):
         """Runs on the coordinator with every rank's local plan; returns the
         final plans.  The default keeps each rank's own reads."""
         return plans
+
+    def read_whole_chunk(self, chunk_offset: int, chunk_nbytes: int,
+                         runs: list[tuple[int, int]], cost: ReadCost) -> bool:
+        """Runs on every rank, per chunk of which it needs only ``runs``
+        (``(file offset, length)`` pairs): whether to read the chunk whole
+        (and check its CRC-32C).  The default:
+        :func:`dcp.core.read_plan.whole_chunk_cheaper`."""
+        return read_plan.whole_chunk_cheaper(chunk_offset, chunk_nbytes, runs, cost)
+
+    def create_requests(self, runs: list[read_plan.Run],
+                        cost: ReadCost) -> list[read_plan.Request]:
+        """Runs on every rank, per data file: the storage requests that read
+        ``runs``.  The default coalesces them by the storage's read cost
+        (:func:`dcp.core.read_plan.coalesce`)."""
+        return read_plan.coalesce(runs, cost)
 
 
 def default_planner(kind: str) -> SavePlanner | LoadPlanner:

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 import fsspec
 
 from dcp.core import retry
-from dcp.errors import CheckpointError
 from dcp.core.metadata import checksum
+from dcp.core.read_cost import ReadCost
+from dcp.errors import CheckpointError
 
 ENTRY_POINT_GROUP = "dcp.storage_plugins"
 #: The entry-point name of the generic plugin for any other fsspec URL.
@@ -61,6 +62,11 @@ class StoragePlugin(abc.ABC):
 
     thread_count: int = 1
     alignment: int = 1
+    #: What a read request costs (latency, bandwidth, concurrency, shared
+    #: cache): the load's read planner coalesces byte runs with it and picks
+    #: each replica group's path.  Plugins set their own; users override
+    #: fields through ``storage_options={"read_cost": {...}}``.
+    read_cost: ReadCost = ReadCost()
     #: How the core retries this plugin's calls that fail transiently (see
     #: :meth:`is_transient`): every data-file write of a save and every
     #: exchange-file write.
@@ -97,6 +103,34 @@ class StoragePlugin(abc.ABC):
         """Fill each writable buffer with the bytes of ``name`` starting at
         its offset (``(offset, buffer)`` pairs, in bytes).  Raises if the file
         is missing or shorter than a range."""
+
+    def read_requests(self, name: str,
+                      requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """Scatter reads: each request ``(offset, views)`` is one contiguous
+        byte range of ``name`` starting at ``offset``, its bytes filling the
+        writable ``views`` one after another (as ``preadv`` does).  The core
+        sends a request per coalesced range (gap bytes go to a scratch
+        view), so a plugin should make each one request to its backend.
+
+        The default reads each multi-view request into one buffer through
+        :meth:`read_ranges` and copies it out; plugins that can read into
+        the views directly (POSIX ``preadv``, a streamed GET body) override
+        it.  Raises if the file is missing or shorter than a request.
+        """
+        ranges, staged = [], []
+        for offset, views in requests:
+            if len(views) == 1:
+                ranges.append((offset, views[0]))
+            else:
+                buf = memoryview(bytearray(sum(len(v) for v in views)))
+                ranges.append((offset, buf))
+                staged.append((buf, views))
+        self.read_ranges(name, ranges)
+        for buf, views in staged:
+            pos = 0
+            for view in views:
+                view[:] = buf[pos:pos + len(view)]
+                pos += len(view)
 
     @abc.abstractmethod
     def read_file(self, name: str) -> bytes:
@@ -184,9 +218,16 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     except ImportError as e:
         hint = INSTALL_HINTS.get(scheme, e.name or "its dependencies")
         raise CheckpointError(f"storage plugin for {scheme!r} cannot be imported ({e}); install {hint}") from e
+    read_cost = options.pop("read_cost", None)
     try:
-        return cls(str(checkpoint_id), **options)
+        storage = cls(str(checkpoint_id), **options)
     except (TypeError, ValueError) as e:  # an option the plugin does not take, or a bad value
         raise CheckpointError(
             f"storage plugin {scheme!r} refused the options {sorted(options)} for "
             f"{checkpoint_id!r}: {e}") from e
+    if read_cost is not None:
+        if not isinstance(read_cost, dict):
+            raise CheckpointError(f"{checkpoint_id!r}: read_cost must be a mapping of "
+                                  f"ReadCost fields, not {type(read_cost).__name__}")
+        storage.read_cost = storage.read_cost.replace(read_cost, str(checkpoint_id))
+    return storage

@@ -117,6 +117,7 @@ class SafetensorsFolder(StoragePlugin):
         root, self._single = _split_source(str(source))
         self.inner = open_storage(root, **options)
         self.thread_count = self.inner.thread_count
+        self.read_cost = self.inner.read_cost
         self.rename = rename
         self._metadata: Metadata | None = None
 
@@ -245,6 +246,9 @@ class SafetensorsFolder(StoragePlugin):
 
     def read_ranges(self, name, ranges) -> None:
         self.inner.read_ranges(name, ranges)
+
+    def read_requests(self, name, requests) -> None:
+        self.inner.read_requests(name, requests)
 
     def exists(self, name: str) -> bool:
         return name == METADATA_FILE or self.inner.exists(name)

@@ -4,20 +4,24 @@ Phases (each a collective step, so a failure on any rank raises on all):
 
 1. the coordinator reads the committed metadata once and broadcasts its bytes;
 2. every rank matches its state dict against it and the load planner turns
-   each needed box into reads of chunk intersections; the global plan picks
-   one reader for each region several ranks need (see ``planners.load``);
-3. every rank reads, in parallel over files, only the byte runs of its
-   intersections — straight into the target tensor when its memory layout
-   allows, else into a host buffer that is then copied (and cast, if
-   allowed) into the target — and passes what it read to the others while
-   it reads on: through host shared memory to ranks of its own host
-   (:mod:`dcp.coordination.host_exchange`), by ``torch.distributed`` broadcast to the
-   rest (:mod:`dcp.coordination.broadcast`).
+   each needed box into reads of chunk intersections; the global plan picks,
+   for each region several ranks need, who reads it from storage and the
+   path it takes to the others (page cache, shared memory, broadcast: see
+   ``planners.load``);
+3. every rank reads, in parallel over files, the byte runs of its
+   intersections, coalesced into few large requests by the storage's read
+   cost (:mod:`dcp.core.read_plan`) — straight into the target tensor when
+   its memory layout allows, else into a host buffer (or a whole chunk's)
+   that is then copied (and cast, if allowed) into the target — and passes
+   what it read to the others while it reads on: through host shared memory
+   to ranks of its own host (:mod:`dcp.coordination.host_exchange`), by
+   ``torch.distributed`` broadcast to the rest
+   (:mod:`dcp.coordination.broadcast`).
 
 CRC-32C checksums are verified as ``verify`` says: ``"chunks"`` (default)
-checks every read that covers a whole chunk — a read of part of a chunk
-cannot be checked without reading the rest of it, and reading only the
-needed bytes is the point of resharding; ``"all"`` reads whole chunks where
+checks every read that covers a whole chunk, including chunks read whole
+because their gaps were cheaper to read than to skip — a read of part of a
+chunk cannot be checked without reading the rest of it; ``"all"`` reads whole chunks where
 parts are needed, so every loaded byte is checked; ``"none"`` checks
 nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 """
@@ -31,6 +35,7 @@ import uuid
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from dcp.orchestration import pending
 
@@ -42,7 +47,8 @@ from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration.gc_pause import gc_paused
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, Metadata, checksum, decode
+from dcp.core import read_plan
+from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
                          default_planner)
 from dcp.core.state_dict import flatten
@@ -50,18 +56,20 @@ from dcp.core.storage import StoragePlugin, open_storage
 
 
 @dataclass
-class _Read:
-    """One region on its way from storage: the byte ``ranges`` to read into
-    ``view`` (the bytes of ``buf``), then check and copy into ``dest``."""
+class _Sink:
+    """A buffer that storage reads fill: the bytes of one region
+    (``items`` holds its one index), or of a whole chunk read for the regions
+    ``items`` of it.  ``buf`` is the host tensor (the target's own memory
+    when ``direct``), ``view`` its bytes; ``check``: verify the chunk's
+    CRC-32C on ``view``."""
 
-    item: ReadItem
-    chunk: object
-    dest: object
-    buf: object
+    chunk: ChunkMeta
+    items: list[int]
+    buf: Any
     view: memoryview
-    ranges: list
     check: bool
     direct: bool
+    whole_chunk: bool
 
 
 @dataclass
@@ -71,12 +79,24 @@ class LoadReport:
     ``missing_keys``: fqns of the target absent from the checkpoint (left
     untouched; only possible with ``strict=False``).  ``unexpected_keys``:
     fqns of the checkpoint the target lacks.  ``bytes_read``: bytes this rank
-    read from storage.
+    read from storage (gap bytes read through and dropped included);
+    ``requests``: the storage requests it made for them.
+    ``bytes_from_cache``: bytes it read after another rank of its host had
+    pulled them into the storage's shared cache (the page cache path: a
+    memory copy, not a storage read), in ``cache_requests`` requests.
+    ``paths``: per replica group (its ranks), the path its regions took and
+    the bytes moved that way — ``"storage"`` (read from storage),
+    ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
+    on every rank.
     """
 
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    requests: int = 0
+    bytes_from_cache: int = 0
+    cache_requests: int = 0
+    paths: list[tuple[tuple[int, ...], str, int]] = field(default_factory=list)
 
 
 def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
@@ -106,12 +126,14 @@ class _Load:
     """State of one load on one rank."""
 
     def __init__(self, state_dict, storage, planner, coordinator, strict,
-                 allow_dtype_cast, allow_pickle, max_inflight_bytes, verify) -> None:
+                 allow_dtype_cast, allow_pickle, max_inflight_bytes, verify, host) -> None:
         if verify not in ("chunks", "all", "none"):
             raise CheckpointError(f"verify must be 'chunks', 'all' or 'none', not {verify!r}")
         self.max_inflight_bytes = max_inflight_bytes
         self.verify = verify
-        self.bytes_read = 0
+        self.host = host
+        # [storage, page cache] x [bytes, requests]
+        self.counts = {False: [0, 0], True: [0, 0]}
         self.lock = threading.Lock()
         self.storage = storage
         self.planner = planner
@@ -140,32 +162,35 @@ class _Load:
         plan = self.planner.create_local_plan(
             self.metadata, self.requests, self.objects, strict=self.strict,
             allow_dtype_cast=self.allow_dtype_cast)
+        plan.host = host_key() if self.host is None else self.host
         # shared memory only where gloo would carry the bytes through host
         # memory anyway; NCCL/HCCL keep accelerator targets on the device
-        if self.exchange is not None and comm_device(self.coord.group).type == "cpu":
-            plan.host = host_key()
+        plan.shared_memory = (self.exchange is not None and bool(plan.host)
+                              and comm_device(self.coord.group).type == "cpu")
+        plan.shared_cache = self.storage.read_cost.shared_cache
         return plan
 
-    def read(self, plan: LoadPlan) -> int:
-        """Read this rank's items and run its transfers; returns bytes read."""
+    def read(self, plan: LoadPlan) -> None:
+        """Read this rank's items and run its transfers."""
         me = self.coord.rank
-        sourced = [t for t in plan.transfers if t.src == me]
-        own = set(plan.items).difference(i for t in sourced for i in t.items)
         with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
             # reads feeding transfers first, in the order the transfers run,
-            # one read_ranges call per transfer and file
+            # one read call per transfer and file; then the rank's own
+            # regions; last those another rank of the host pulls into the
+            # page cache
             reads: dict[ReadItem, tuple[Future, int]] = {}
             futures = []
-            for items in [*(t.items for t in sourced), own]:
-                for name, group in self._by_file(items).items():
-                    futures.append(pool.submit(self._read_file, name, group))
+            batches = [(t.items, False) for t in plan.transfers if t.src == me]
+            for items, cached in [*batches, (plan.items, False), (plan.cached, True)]:
+                todo = [i for i in dict.fromkeys(items) if i not in reads]
+                for name, group in self._by_file(todo).items():
+                    futures.append(pool.submit(self._read_file, name, group, cached))
                     reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
             if plan.transfers:
                 self._run_transfers(plan, reads)
             for future in futures:
                 future.result()
         self._load_objects()
-        return self.bytes_read
 
     def _by_file(self, items) -> dict[str, list[ReadItem]]:
         by_file: dict[str, list[ReadItem]] = defaultdict(list)
@@ -267,49 +292,114 @@ class _Load:
         return tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
                               item.sizes)
 
-    def _read_file(self, name: str, items: list[ReadItem]) -> list:
-        """Read regions of one file with a single ``read_ranges`` call (one
-        open, or one batch of concurrent requests on object stores) into
-        their targets; returns, per region, a host tensor of the saved
-        dtype holding it (the target's own memory when it could be read in
-        place)."""
-        reads = [self._prepare(item) for item in items]
-        try:
-            self.storage.read_ranges(name, [r for read in reads for r in read.ranges])
-        except Exception:  # find the region at fault, to name it
-            for read in reads:
-                self._fetch(read.item.fqn, read.chunk, read.ranges)
-            raise
-        return [self._finish(read) for read in reads]
+    def _read_file(self, name: str, items: list[ReadItem], cached: bool) -> list:
+        """Read regions of one file into their targets, in few large
+        requests; returns, per region, a host tensor of the saved dtype
+        holding it (the target's own memory when it could be read in place).
 
-    def _prepare(self, item: ReadItem) -> "_Read":
-        """Where a region's bytes go: straight into the target when its
-        layout allows, else into a host buffer (the whole chunk with
-        ``verify="all"``)."""
-        saved = self.metadata.tensors[item.fqn]
-        chunk = saved.chunks[item.chunk]
-        dest = self._target_region(item)
-        whole = item.sizes == chunk.sizes
-        if not whole and self.verify == "all":
-            offsets, sizes, buf, direct, check = chunk.offsets, chunk.sizes, None, False, True
+        The regions go in waves of about ``max_inflight_bytes`` of buffers;
+        per wave, the load planner decides which chunks to read whole
+        (checking their CRC-32C) and coalesces the byte runs into requests
+        by the storage's read cost, and the storage reads them with one
+        ``read_requests`` call."""
+        by_chunk: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for k, item in enumerate(items):
+            by_chunk[(item.fqn, item.chunk)].append(k)
+        out: list = [None] * len(items)
+        wave: list[_Sink] = []
+        runs: list[read_plan.Run] = []
+        held = 0
+        for (fqn, number), indices in by_chunk.items():
+            sinks = self._sinks(fqn, number, [items[k] for k in indices], indices)
+            for sink in sinks:
+                runs.extend(self._runs(sink, items, len(wave)))
+                wave.append(sink)
+                held += 0 if sink.direct else len(sink.view)
+            if held >= self.max_inflight_bytes:
+                self._read_wave(name, items, wave, runs, cached, out)
+                wave, runs, held = [], [], 0
+        if wave:
+            self._read_wave(name, items, wave, runs, cached, out)
+        return out
+
+    def _sinks(self, fqn: str, number: int, items: list[ReadItem],
+               indices: list[int]) -> list[_Sink]:
+        """Where the regions ``items`` of chunk ``number`` of ``fqn`` are read
+        to: the whole chunk into one buffer (with ``verify="all"``, or where
+        the planner finds it no dearer), else each region straight into its
+        target when the layout allows, or into a host buffer."""
+        saved = self.metadata.tensors[fqn]
+        chunk = saved.chunks[number]
+        itemsize = DTYPE_ITEMSIZE[saved.dtype]
+        partial = [i for i in items if i.sizes != chunk.sizes]
+        whole = False
+        if partial and self.verify == "all":
             # the chunk's last byte first: crafted metadata declaring a huge
             # chunk fails here, before a buffer of its size is allocated
-            self._fetch(item.fqn, chunk, chunk.last_byte())
-        else:
-            offsets, sizes, check = item.offsets, item.sizes, whole and self.verify != "none"
+            self._fetch(fqn, chunk, chunk.last_byte())
+            whole = True
+        elif partial and self.verify == "chunks":
+            runs = [(chunk.byte_offset + start, length) for i in partial
+                    for start, length in self._byte_runs(chunk, i, itemsize)]
+            whole = self.planner.read_whole_chunk(chunk.byte_offset, chunk.nbytes, runs,
+                                                  self.storage.read_cost)
+        if whole:
+            buf = tensors.empty_host(chunk.sizes, saved.dtype)
+            return [_Sink(chunk, indices, buf, tensors.byte_view(buf), True, False, True)]
+        sinks = []
+        for k, item in zip(indices, items, strict=True):
+            dest = self._target_region(item)
             direct = tensors.is_direct_target(dest, saved.dtype)
-            buf = dest if direct else None
-        if buf is None:
-            buf = tensors.empty_host(sizes, saved.dtype)
-        view = tensors.byte_view(buf)
-        rel = [o - c for o, c in zip(offsets, chunk.offsets)]
-        ranges, pos = [], 0
-        for start, length in byte_runs(chunk.sizes, rel, sizes, DTYPE_ITEMSIZE[saved.dtype]):
-            ranges.append((chunk.byte_offset + start, view[pos:pos + length]))
+            buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
+            check = item.sizes == chunk.sizes and self.verify != "none"
+            sinks.append(_Sink(chunk, [k], buf, tensors.byte_view(buf), check, direct, False))
+        return sinks
+
+    @staticmethod
+    def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):
+        rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+        return byte_runs(chunk.sizes, rel, item.sizes, itemsize)
+
+    def _runs(self, sink: _Sink, items: list[ReadItem], number: int) -> list[read_plan.Run]:
+        """The file byte runs that fill sink number ``number``."""
+        chunk = sink.chunk
+        if sink.whole_chunk:
+            return [read_plan.Run(chunk.byte_offset, chunk.nbytes, number, 0)]
+        itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[items[sink.items[0]].fqn].dtype]
+        runs, pos = [], 0
+        for start, length in self._byte_runs(chunk, items[sink.items[0]], itemsize):
+            runs.append(read_plan.Run(chunk.byte_offset + start, length, number, pos))
             pos += length
+        return runs
+
+    def _read_wave(self, name: str, items: list[ReadItem], sinks: list[_Sink],
+                   runs: list[read_plan.Run], cached: bool, out: list) -> None:
+        """Read ``runs`` into ``sinks`` with the planner's requests, then
+        verify and copy into the targets, filling ``out`` per region."""
+        requests = self.planner.create_requests(runs, self.storage.read_cost)
+        scratch = memoryview(bytearray(read_plan.largest_gap(requests)))
+        calls = []
+        for request in requests:
+            views, pos = [], request.offset
+            for run in request.runs:
+                if run.offset > pos:
+                    views.append(scratch[:run.offset - pos])
+                views.append(sinks[run.sink].view[run.pos:run.pos + run.length])
+                pos = run.offset + run.length
+            calls.append((request.offset, views))
+        try:
+            self.storage.read_requests(name, calls)
+        except Exception:  # find the region at fault, to name it
+            for sink in sinks:
+                ranges = [(r.offset, sink.view[r.pos:r.pos + r.length])
+                          for r in runs if sinks[r.sink] is sink]
+                self._fetch(items[sink.items[0]].fqn, sink.chunk, ranges)
+            raise
         with self.lock:
-            self.bytes_read += pos
-        return _Read(item, chunk, dest, buf, view, ranges, check, direct)
+            self.counts[cached][0] += sum(r.length for r in requests)
+            self.counts[cached][1] += len(requests)
+        for sink in sinks:
+            self._finish(sink, items, out)
 
     def _fetch(self, fqn: str, chunk, ranges) -> None:
         try:
@@ -319,23 +409,27 @@ class _Load:
                 f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                 f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
 
-    def _finish(self, read: "_Read"):
-        """Verify the CRC-32C if due, then copy into the target; returns the
-        host tensor holding the region."""
-        chunk = read.chunk
-        if read.check and chunk.checksum is not None and checksum(read.view) != chunk.checksum:
+    def _finish(self, sink: _Sink, items: list[ReadItem], out: list) -> None:
+        """Verify the CRC-32C if due, then copy into the targets; ``out[k]``
+        becomes the host tensor holding region ``k``."""
+        chunk = sink.chunk
+        fqn = items[sink.items[0]].fqn
+        if sink.check and chunk.checksum is not None and checksum(sink.view) != chunk.checksum:
             raise CorruptCheckpointError(
-                f"{read.item.fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
+                f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                 f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                 f"{chunk.file!r}): the checkpoint is corrupted")
-        if read.direct:
-            return read.dest
-        buf = read.buf
-        if read.buf.shape != read.dest.shape:  # a whole chunk read for verify="all"
-            buf = tensors.region(buf, [o - c for o, c in zip(read.item.offsets, chunk.offsets)],
-                                 read.item.sizes).contiguous()
-        tensors.copy_into(read.dest, buf)
-        return buf
+        for k in sink.items:
+            item = items[k]
+            if sink.direct:
+                out[k] = sink.buf
+                continue
+            buf = sink.buf
+            if sink.whole_chunk:
+                rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+                buf = tensors.region(buf, rel, item.sizes).contiguous()
+            tensors.copy_into(self._target_region(item), buf)
+            out[k] = buf
 
     def _load_objects(self) -> None:
         for fqn in self.objects:
@@ -358,7 +452,8 @@ class _Load:
                     raise CorruptCheckpointError(
                         f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
                 value = pickle.loads(blob)  # opted in by allow_pickle=True
-                self.bytes_read += ref.nbytes
+                self.counts[False][0] += ref.nbytes
+                self.counts[False][1] += 1
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
@@ -370,18 +465,20 @@ class _Load:
         plan = self.coord.gather_scatter("load planning", self.local_plan,
                                          self.planner.create_global_plan)
         try:
-            bytes_read = self.coord.run_all("load reading", lambda: self.read(plan))
+            self.coord.run_all("load reading", lambda: self.read(plan))
         finally:
             if self.exchange is not None:  # every rank is past its transfers
                 self.exchange.remove_errors()
-        return LoadReport(plan.missing_keys, plan.unexpected_keys, bytes_read)
+        (read, requests), (cached, cache_requests) = self.counts[False], self.counts[True]
+        return LoadReport(plan.missing_keys, plan.unexpected_keys, read, requests, cached,
+                          cache_requests, plan.paths)
 
 
 def _key(transfer: Transfer) -> str:
     """A name for ``transfer`` that all its members derive alike: its first
     region is read by one rank into one transfer only."""
     item = transfer.items[0]
-    ident = repr((transfer.src, item.fqn, item.chunk, item.offsets, item.sizes))
+    ident = repr((transfer.ranks, transfer.src, item.fqn, item.chunk, item.offsets, item.sizes))
     return hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
 
 
@@ -389,7 +486,8 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
          allow_dtype_cast: bool = False, allow_pickle: bool = False,
          planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
          process_group=None, storage_options: dict | None = None,
-         max_inflight_bytes: int = 256 << 20, verify: str = "chunks") -> LoadReport:
+         max_inflight_bytes: int = 256 << 20, verify: str = "chunks",
+         host: str | None = None) -> LoadReport:
     """Fill ``state_dict`` in place from a checkpoint; collective over the group.
 
     The target's layout may differ from the saved one (other world size,
@@ -409,9 +507,10 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             (runs code from the checkpoint: trusted checkpoints only).
         planner, storage, process_group, storage_options: as for
             :func:`dcp.save`.  The default planner reads each region once
-            per replica group and broadcasts it
-            (``planners.load.DefaultLoadPlanner(broadcast=False)`` turns
-            that off).
+            per replica group (per host where the storage's cache is
+            shared) and passes it on by the cheapest path
+            (``planners.load.DefaultLoadPlanner(replica_path=...)`` picks
+            one; ``"none"`` makes every rank read all it needs).
         max_inflight_bytes: bound on the bytes this rank has in flight to
             other ranks at once: broadcast buffers outstanding, and regions
             published in shared memory not yet taken (default 256 MiB).
@@ -419,7 +518,13 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             ``"chunks"`` every read of a whole chunk (a resharded read of
             part of a chunk is not: that would need the rest of the chunk);
             ``"all"`` every byte, reading whole chunks where parts are
-            needed; ``"none"`` nothing.
+            needed; ``"none"`` nothing.  A chunk the read planner reads
+            whole anyway (its gaps cheaper to read than to skip) is checked
+            under ``"chunks"`` too.
+        host: this rank's host identity: ranks with equal values share the
+            storage's page cache and host shared memory.  Default: derived
+            from the kernel's boot id and the ``/dev/shm`` mount.  Tests
+            pass it to simulate several hosts on one machine.
 
     A save to ``checkpoint_id`` still in flight in this process
     (:func:`dcp.async_save`) is waited for first.
@@ -437,6 +542,6 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("load")
     job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
-                allow_pickle, max_inflight_bytes, verify)
+                allow_pickle, max_inflight_bytes, verify, host)
     with gc_paused():
         return job.run(str(checkpoint_id))

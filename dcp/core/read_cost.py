@@ -1,0 +1,88 @@
+"""What one read request costs on a storage, as the load's read planner sees it.
+
+Every storage plugin describes its reads with a :class:`ReadCost`: the
+latency of one request (time to first byte), the bandwidth of one request
+stream, how many requests one read call keeps in flight, the largest
+request worth making, and whether the ranks of one host share a cache of
+its data (a filesystem's page cache; an object store shares nothing).  The
+read planner (:mod:`dcp.core.read_plan`) turns byte runs into requests with
+it, and the load planner picks each replica group's path with
+:attr:`ReadCost.shared_cache`.
+
+The model is Apache Arrow's for ranged reads (``CacheOptions``): a gap
+between two needed byte runs is read through, and dropped, when reading it
+costs less than starting a new request, i.e. when it is at most
+``latency_s * bandwidth_bps`` bytes (:attr:`ReadCost.hole_bytes`); requests
+are capped at ``max_request_bytes``.  Arrow's defaults (8 KiB holes, 32 MiB
+ranges) are one point of it; here each plugin states its own numbers and
+users override them through ``storage_options={"read_cost": {...}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dcp.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ReadCost:
+    """The cost of reads from one storage.
+
+    Attributes:
+        latency_s: seconds before the first byte of one request arrives
+            (a local disk ~1e-4, an object store 1e-2 to 5e-2).
+        bandwidth_bps: bytes per second one request stream delivers.
+        concurrency: requests one ``read_requests`` call keeps in flight.
+        max_request_bytes: the largest request made (bytes); larger runs
+            are cut.
+        shared_cache: whether ranks of one host share a cache of the
+            storage's data (the page cache of a filesystem), so that bytes
+            one rank has read cost the others a memory copy, not a read.
+    """
+
+    latency_s: float = 1e-3
+    bandwidth_bps: float = 1e9
+    concurrency: int = 1
+    max_request_bytes: int = 32 << 20
+    shared_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and self.bandwidth_bps > 0 and self.concurrency >= 1
+                and self.max_request_bytes >= 1):
+            raise CheckpointError(
+                f"read cost {self}: latency_s must be >= 0, bandwidth_bps > 0, concurrency and "
+                f"max_request_bytes >= 1")
+
+    @property
+    def hole_bytes(self) -> int:
+        """The largest gap between two needed runs that is cheaper to read
+        through than to skip with a new request (bytes)."""
+        return int(self.latency_s * self.bandwidth_bps)
+
+    def seconds(self, requests: int, nbytes: int) -> float:
+        """Estimated time of ``requests`` requests moving ``nbytes`` bytes,
+        with :attr:`concurrency` of them in flight."""
+        waves = -(-requests // self.concurrency)
+        return waves * self.latency_s + nbytes / self.bandwidth_bps
+
+    def replace(self, overrides: Mapping[str, Any], where: str) -> ReadCost:
+        """This cost with the fields of ``overrides`` (a ``storage_options``
+        ``read_cost`` mapping) replaced.
+
+        Raises:
+            CheckpointError: an unknown field or a bad value, naming
+                ``where`` (the checkpoint id).
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise CheckpointError(f"{where!r}: unknown read_cost field(s) {unknown} "
+                                  f"(known: {sorted(fields)})")
+        try:
+            return dataclasses.replace(self, **overrides)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{where!r}: bad read_cost {dict(overrides)}: {e}") from e

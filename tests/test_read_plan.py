@@ -1,0 +1,158 @@
+"""The read planner: byte runs become few large requests by the storage's
+read cost, and every load stays exact (single process, no ranks).
+
+Resharded targets are ``dcp.TensorShard`` column slices of a checkpoint
+saved whole: each row of the slice is one byte run of the saved chunk, the
+pattern of a Shard(0) -> Shard(1) load.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcp
+from dcp.core.boxes import byte_runs
+from dcp.core.read_cost import ReadCost
+from dcp.core.read_plan import Request, Run, coalesce, largest_gap, whole_chunk_cheaper
+from dcp.core.storage import open_storage
+from helpers import assert_bitwise_equal, random_tensor
+from planners.load import DefaultLoadPlanner
+from storage_plugins.posix import PosixStorage
+
+S3_COST = ReadCost(latency_s=0.02, bandwidth_bps=1e8, concurrency=10,
+                   max_request_bytes=16 << 20)
+POSIX_COST = PosixStorage("/unused").read_cost
+
+
+def _column_runs(rows: int, cols: int, itemsize: int, start: int, width: int,
+                 base: int = 0) -> list[Run]:
+    """The runs of columns ``start:start+width`` of a row-major chunk."""
+    runs, pos = [], 0
+    for offset, length in byte_runs((rows, cols), (0, start), (rows, width), itemsize):
+        runs.append(Run(base + offset, length, 0, pos))
+        pos += length
+    return runs
+
+
+@pytest.mark.parametrize("cost", [S3_COST, POSIX_COST], ids=["s3", "posix"])
+def test_rows_of_a_shard1_target_become_a_few_large_requests(cost):
+    # a [512, 4096] fp32 chunk (8 MiB) read for a quarter of its columns:
+    # 512 runs of 4 KiB with 12 KiB gaps
+    runs = _column_runs(512, 4096, 4, 1024, 1024)
+    assert len(runs) == 512
+    planner = DefaultLoadPlanner()
+    requests = planner.create_requests(runs, cost)
+    assert len(requests) == 1
+    assert requests[0].kept == 512 * 4096
+    # every run lands once, in order, at its own position
+    assert [r for q in requests for r in q.runs] == runs
+    # the gaps are cheaper to read than to skip: read the chunk whole (and check it)
+    assert planner.read_whole_chunk(0, 512 * 4096 * 4, [(r.offset, r.length) for r in runs], cost)
+
+
+def test_gaps_dearer_than_a_request_are_skipped():
+    # rows of 4 MiB, needing 1 MiB of each: 3 MiB gaps > S3's 2 MB hole
+    runs = _column_runs(4, 1 << 20, 4, 0, 1 << 18)
+    requests = coalesce(runs, S3_COST)
+    assert len(requests) == 4
+    assert sum(r.length for r in requests) == sum(r.length for r in runs)  # 1.0x the bytes
+    assert not whole_chunk_cheaper(0, 16 << 20, [(r.offset, r.length) for r in runs], S3_COST)
+    # with no latency nothing is worth reading through: one request a run
+    free = ReadCost(latency_s=0.0)
+    assert len(coalesce(_column_runs(64, 256, 4, 0, 64), free)) == 64
+
+
+def test_requests_are_capped_and_overlaps_kept_apart():
+    cost = ReadCost(latency_s=1e-3, bandwidth_bps=1e6, max_request_bytes=1000)  # 1000-byte holes
+    big = [Run(0, 2500, 0, 0)]
+    requests = coalesce(big, cost)
+    assert [(r.offset, r.length) for r in requests] == [(0, 1000), (1000, 1000), (2000, 500)]
+    assert [r.runs[0].pos for r in requests] == [0, 1000, 2000]
+    # two buffers needing the same bytes: separate requests, never one scatter
+    requests = coalesce([Run(0, 100, 0, 0), Run(50, 100, 1, 0), Run(400, 10, 2, 0)], cost)
+    assert [(r.offset, r.length) for r in requests] == [(0, 100), (50, 360)]
+    assert largest_gap(requests) == 250
+    assert coalesce([Run(5, 0, 0, 0)], cost) == []
+    assert largest_gap([Request(0, 10, (Run(0, 10, 0, 0),))]) == 0
+
+
+def test_whole_chunk_needs_cheap_ends_and_one_request():
+    cost = ReadCost(latency_s=1e-3, bandwidth_bps=1e5, max_request_bytes=1000)  # 100-byte holes
+    assert whole_chunk_cheaper(0, 1000, [(100, 800)], cost)
+    assert not whole_chunk_cheaper(0, 1000, [(101, 799)], cost)  # leading gap too long
+    assert not whole_chunk_cheaper(0, 1000, [(0, 899)], cost)  # trailing gap too long
+    assert not whole_chunk_cheaper(0, 1001, [(0, 1001)], cost)  # more than one request
+
+
+def test_read_cost_is_overridden_through_storage_options(tmp_path):
+    storage = open_storage(str(tmp_path), read_cost={"latency_s": 0.5, "concurrency": 3})
+    assert storage.read_cost.latency_s == 0.5 and storage.read_cost.concurrency == 3
+    assert storage.read_cost.shared_cache  # the rest stays the plugin's
+    with pytest.raises(dcp.CheckpointError, match="unknown read_cost field.*latency_ms"):
+        open_storage(str(tmp_path), read_cost={"latency_ms": 1})
+    with pytest.raises(dcp.CheckpointError, match="bandwidth_bps > 0"):
+        open_storage(str(tmp_path), read_cost={"bandwidth_bps": 0})
+    with pytest.raises(dcp.CheckpointError, match="read_cost must be a mapping"):
+        open_storage(str(tmp_path), read_cost=3)
+    assert not open_storage("memory://x").read_cost.shared_cache
+
+
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool, torch.float32]
+
+
+def _full(dtype, shape, seed):
+    return random_tensor(shape, dtype, seed=seed)
+
+
+@pytest.mark.parametrize("uri", ["posix", "memory"])
+@pytest.mark.parametrize("verify", ["chunks", "none", "all"])
+def test_column_slices_load_exact_in_few_requests(tmp_path, uri, verify):
+    root = str(tmp_path / "ckpt") if uri == "posix" else f"memory://read-plan-{verify}"
+    full = {f"t{i}": _full(d, (96, 80), i) for i, d in enumerate(DTYPES)}
+    full["scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    full["empty"] = torch.zeros(0, 7, dtype=torch.int64)
+    md = dcp.save(full, root)
+    for start, width in [(0, 80), (16, 24), (79, 1), (40, 0)]:
+        target = {k: dcp.TensorShard(torch.zeros(96, width, dtype=v.dtype), (96, 80), (0, start))
+                  for k, v in full.items() if v.dim() == 2 and v.numel()}
+        target["scalar"] = torch.zeros((), dtype=torch.bfloat16)
+        target["empty"] = dcp.TensorShard(torch.zeros(0, 3, dtype=torch.int64), (0, 7), (0, 2))
+        report = dcp.load(target, root, verify=verify)
+        for k, v in full.items():
+            got = target[k].data if isinstance(target[k], dcp.TensorShard) else target[k]
+            want = v[:, start:start + width] if v.dim() == 2 else v
+            if k == "empty":
+                want = v[:, 2:5]
+            assert_bitwise_equal(got, want, f"{k} cols {start}:{start + width} ({verify})")
+        # every chunk in one request or fewer, never one request per row
+        assert report.requests <= len(md.tensors), (start, width, report.requests)
+        assert report.bytes_read <= md.stored_bytes
+
+
+def test_no_coalescing_reads_exactly_the_needed_bytes(tmp_path):
+    full = {"w": _full(torch.float32, (64, 32), 1)}
+    dcp.save(full, str(tmp_path / "c"))
+    target = {"w": dcp.TensorShard(torch.zeros(64, 8), (64, 32), (0, 8))}
+    report = dcp.load(target, str(tmp_path / "c"),
+                      storage_options={"read_cost": {"latency_s": 0}})
+    assert_bitwise_equal(target["w"].data, full["w"][:, 8:16], "w")
+    assert (report.requests, report.bytes_read) == (64, 64 * 8 * 4)
+
+
+def test_a_chunk_read_whole_is_verified_for_a_part(tmp_path):
+    """A flipped byte outside the needed columns, in a chunk the planner
+    reads whole: the default load names it; verify="none" reads the
+    columns without looking."""
+    full = {"w": _full(torch.float32, (64, 32), 2)}
+    md = dcp.save(full, str(tmp_path / "c"))
+    chunk = md.tensors["w"].chunks[0]
+    path = tmp_path / "c" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.byte_offset + 4 * 31] ^= 0xFF  # row 0, last column
+    path.write_bytes(bytes(data))
+    target = {"w": dcp.TensorShard(torch.zeros(64, 8), (64, 32), (0, 0))}
+    with pytest.raises(dcp.CorruptCheckpointError, match="'w'.*checksum mismatch"):
+        dcp.load(target, str(tmp_path / "c"))
+    dcp.load(target, str(tmp_path / "c"), verify="none")
+    assert_bitwise_equal(target["w"].data, full["w"][:, :8], "w")
