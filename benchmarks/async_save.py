@@ -21,28 +21,27 @@ process group measures, per system:
   save (which includes waiting for the slowest rank to arrive) and the
   median of the later ones (plan-cache hits).
 
-Every number is the slowest rank's.  Systems: ``hyperdcp-gloo``/``-file``/``-none`` (``dcp.async_save`` with each
-coordination), ``torch-thread`` (``torch.distributed.checkpoint.async_save``,
-THREAD) and ``torch-process`` (PROCESS, with its shared-memory
-``DefaultStager``).  The floor, ``memcpy``, is a ``Tensor.copy_`` of the
-rank's bytes into preallocated buffers, measured right before every save
-(conditions drift over a run: memory in use, page cache); ``stall ×
-memcpy`` is the median over saves of the slowest rank's stall over the
-slowest rank's memcpy, both of that save.  (A per-rank ratio would compare a
-rank's stall with its own memcpy at another moment: with more ranks than
-cores, one rank gets a core to itself for one copy and shares it for the
-other, and its ratio swings 0.5-2.3 from save to save; the slowest rank is
-also when training can go on.)
+Every number is the slowest rank's. Systems: ``hyperdcp-gloo``/``-file``/
+``-none`` (``dcp.async_save`` with each coordination), ``torch-thread``
+(``torch.distributed.checkpoint.async_save``, THREAD) and ``torch-process``
+(PROCESS, with its shared-memory ``DefaultStager``). The floor, ``memcpy``,
+is a ``Tensor.copy_`` of the rank's bytes into preallocated buffers,
+measured right before every save (conditions drift over a run: memory in
+use, page cache); ``stall × memcpy`` is the median over saves of the slowest
+rank's stall over the slowest rank's memcpy, both of that save. (A per-rank
+ratio would compare a rank's stall with its own memcpy at another moment:
+with more ranks than cores, one rank gets a core to itself for one copy and
+shares it for the other, and its ratio swings 0.5-2.3 from save to save; the
+slowest rank is also when training can go on.)
 
 ``run(out_dir)`` runs it and returns the rows (also written to
-``out_dir/async_save.json``); ``python -m benchmarks.async_save`` prints them
-as a Markdown table.
+``out_dir/async_save.json``, their table to ``async_save.md``);
+``python -m benchmarks.async_save`` prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -54,7 +53,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .common import gather_to_rank0, launch
+from .common import launch
+from .report import Column, markdown_table, write_table
 
 NUM_TENSORS, ROWS, COLS = 16, 2048, 4096
 QUICK = (4, 64, 128)
@@ -162,7 +162,8 @@ class _System:
             self.stager.close()
 
 
-def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: str) -> None:
+def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str) -> list[dict]:
+    """This rank's rows, one per system."""
     torch.set_num_threads(1)
     sd = _state(rank, world_size, shape)
     floor = [torch.empty_like(t.to_local()) for t in sd.values()]
@@ -171,7 +172,7 @@ def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: 
         """The floor: seconds to copy the rank's bytes into preallocated buffers."""
         dist.barrier()
         start = time.perf_counter()
-        for dst, t in zip(floor, sd.values()):
+        for dst, t in zip(floor, sd.values(), strict=True):
             dst.copy_(t.to_local())
         return time.perf_counter() - start
 
@@ -206,7 +207,7 @@ def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: 
         system.close()
         later = samples[1:]
 
-        def median(key, kind=None):
+        def median(key, kind=None, later=later):
             return statistics.median(s[key] for s in later if kind in (None, s["kind"]))
 
         row = dict(system=name, world_size=world_size,
@@ -220,16 +221,20 @@ def _measure(rank: int, world_size: int, shape, repeat: int, scratch: str, out: 
             row["plan1_s"] = samples[0]["planning"]
             row["plan2_s"] = median("planning")
         rows.append(row)
-    every = gather_to_rank0(rows)
-    if rank == 0:
-        merged = []
-        for per_system in zip(*every):  # the slowest rank of each number
-            row = dict(per_system[0])
-            for key in row:
-                if key.endswith("_s") or key == "stall_x_memcpy":
-                    row[key] = max(r[key] for r in per_system)
-            merged.append(row)
-        Path(out).write_text(json.dumps(merged))
+    return rows
+
+
+def _slowest(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per system from every rank's rows: the slowest rank's value
+    of each number."""
+    merged = []
+    for per_system in zip(*per_rank, strict=True):
+        row = dict(per_system[0])
+        for key in row:
+            if key.endswith("_s") or key == "stall_x_memcpy":
+                row[key] = max(r[key] for r in per_system)
+        merged.append(row)
+    return merged
 
 
 def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool = False,
@@ -237,7 +242,7 @@ def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool
     """Measure every system at every world size; returns one row per (world
     size, system) with seconds (``*_s``, slowest rank), ``slowdown`` (fraction
     of loop time lost) and ``stall_x_memcpy`` (stall over the memcpy floor);
-    also written to ``out_dir/async_save.json``."""
+    also written to ``out_dir/async_save.json`` and ``async_save.md``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = QUICK if quick else (NUM_TENSORS, ROWS, COLS)
@@ -245,28 +250,34 @@ def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool
     for world_size in world_sizes:
         work = Path(tempfile.mkdtemp(prefix=f"async-save-w{world_size}-", dir=scratch))
         try:
-            launch(_measure, world_size, shape, repeat, str(work), str(work / "rows.json"))
-            rows += json.loads((work / "rows.json").read_text())
+            rows += _slowest(launch(_measure, world_size, shape, repeat, str(work)))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    (out_dir / "async_save.json").write_text(json.dumps(rows, indent=1))
+    write_table(out_dir, "async_save", rows, markdown(rows))
     return rows
+
+
+def _planning(r: dict) -> str:
+    return f"{r['plan1_s']:.4f} / {r['plan2_s']:.5f}" if "plan1_s" in r else ""
+
+
+COLUMNS: list[Column] = [
+    ("W", lambda r: str(r["world_size"])),
+    ("system", lambda r: r["system"]),
+    ("stall s", lambda r: f"{r['stall_s']:.3f}"),
+    ("memcpy s", lambda r: f"{r['memcpy_s']:.3f}"),
+    ("stall × memcpy", lambda r: f"{r['stall_x_memcpy']:.2f}"),
+    ("total s", lambda r: f"{r['total_s']:.2f}"),
+    ("first stall / total s", lambda r: f"{r['first_stall_s']:.3f} / {r['first_total_s']:.2f}"),
+    ("loop time lost s: accelerator-like / CPU-bound",
+     lambda r: f"{r['lost_device_s']:.2f} / {r['lost_cpu_s']:.2f}"),
+    ("planning 1st / later s", _planning),
+]
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
-    lines = ["| W | system | stall s | memcpy s | stall × memcpy | total s | "
-             "first stall / total s | loop time lost s: accelerator-like / CPU-bound | "
-             "planning 1st / later s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        plan = f"{r['plan1_s']:.4f} / {r['plan2_s']:.5f}" if "plan1_s" in r else ""
-        lines.append(
-            f"| {r['world_size']} | {r['system']} | {r['stall_s']:.3f} | {r['memcpy_s']:.3f} | "
-            f"{r['stall_x_memcpy']:.2f} | "
-            f"{r['total_s']:.2f} | {r['first_stall_s']:.3f} / {r['first_total_s']:.2f} | "
-            f"{r['lost_device_s']:.2f} / {r['lost_cpu_s']:.2f} | {plan} |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
 if __name__ == "__main__":

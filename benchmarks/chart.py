@@ -1,23 +1,19 @@
 """The PNG chart of a run: hyperdcp next to torch.distributed.checkpoint.
 
-One panel per kind of result present in the run: seconds of the sync
-save/load and many-small-tensors scenarios (median bars, min–max whiskers,
-per system and world size), the async-save stall, planning at scale against
-the number of ranks, and the file-flag protocol's critical path against the
-number of ranks.  Needs matplotlib (``pip install -e '.[bench]'``).
+One panel per kind of result present in the run: seconds of each family of
+save/load scenarios (sync, many small tensors, S3 loads: median bars,
+min–max whiskers, per system and world size), the async-save stall,
+planning at scale against the number of ranks, and the file-flag protocol's
+critical path against the number of ranks.  Needs matplotlib
+(``pip install -e '.[bench]'``), imported only when a chart is drawn.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
-
-from .report import Row  # noqa: E402
-from .systems import BASELINE  # noqa: E402
+from .report import Row
+from .systems import BASELINE
 
 
 def _bars(ax, rows: list[Row], title: str) -> None:
@@ -41,9 +37,17 @@ def _bars(ax, rows: list[Row], title: str) -> None:
 
 def write_chart(path: Path, rows: list[Row], tables: dict[str, list[dict]]) -> Path | None:
     """Draw the panels the run has data for into ``path`` (PNG); None if none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     panels = []
-    if rows:
-        panels.append(lambda ax: _bars(ax, rows, f"save / load: {BASELINE} vs hyperdcp"))
+    for family in dict.fromkeys(r.family for r in rows):
+        def bars(ax, family=family):
+            mine = [r for r in rows if r.family == family]
+            _bars(ax, mine, f"{family}: {BASELINE} vs hyperdcp")
+        panels.append(bars)
     if tables.get("async_save"):
         def stall(ax, table=tables["async_save"]):
             labels = [f"{r['system']}\nW={r['world_size']}" for r in table]
@@ -76,7 +80,7 @@ def write_chart(path: Path, rows: list[Row], tables: dict[str, list[dict]]) -> P
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 4.5 * len(panels)), squeeze=False)
-    for draw, ax in zip(panels, axes[:, 0]):
+    for draw, ax in zip(panels, axes[:, 0], strict=True):
         draw(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,7 +1,8 @@
 """Machinery shared by the scenario families.
 
-- :func:`launch` runs a worker in ``world_size`` spawned processes joined in a
-  gloo process group (free TCP port on 127.0.0.1, ``OMP_NUM_THREADS=1``).
+- :func:`launch` is the one way to run a worker in a process group: it spawns
+  ``world_size`` ranks joined in a gloo group (free TCP port on 127.0.0.1,
+  ``OMP_NUM_THREADS=1``) and returns each rank's return value to the caller.
 - :class:`IOCounters` snapshots ``/proc/self/io``. The kernel sums the counters
   of all threads of the process, so I/O done by a library's worker threads is
   counted; I/O done by child processes is not.
@@ -9,26 +10,36 @@
   page cache so that the next load's ``read_bytes`` counts storage reads
   instead of 0 (a load served from the page cache reads nothing from storage).
 - :func:`timed_collective` measures one collective call on every rank: wall
-  time, CPU time (which contention from other processes barely changes) and
-  I/O.
+  time, CPU time (which contention from other processes barely changes), I/O
+  and the call's return value; :func:`timed` one call in one process.
+- :func:`record` gathers one measured call of every rank to rank 0 as a
+  :class:`~benchmarks.report.Sample`.
+- :func:`rotation` orders the systems of a repeat.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import shutil
 import socket
-import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .report import Sample
+from .systems import requests_of
+
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -123,25 +134,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Call ``worker(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+def launch(worker: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Call ``worker(rank, world_size, *args)`` on ``world_size`` spawned
+    ranks; return what each rank's call returned, in rank order.
 
-    Each rank joins a gloo default process group and uses one intra-op thread;
-    the group is destroyed when the worker returns. ``worker`` must be a
-    module-level function (it is pickled to the children). An exception on any
-    rank is re-raised here after the other ranks are terminated.
+    Each rank joins a gloo default process group (rendezvous on a free TCP
+    port of 127.0.0.1) and uses one intra-op thread; the return values
+    (picklable) are gathered to rank 0, which hands them to this process,
+    and the group is destroyed.  ``worker`` must be a module-level function
+    (it is pickled to the children).  An exception on any rank is re-raised
+    here after the other ranks are terminated.
     """
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(_rank_main, args=(world_size, free_port(), worker, args), nprocs=world_size)
+    with tempfile.TemporaryDirectory(prefix="hyperdcp-bench-launch-") as tmp:
+        out = Path(tmp) / "results.pickle"
+        mp.spawn(_rank_main, args=(world_size, free_port(), worker, args, str(out)),
+                 nprocs=world_size)
+        return pickle.loads(out.read_bytes())
 
 
-def _rank_main(rank: int, world_size: int, port: int, worker: Callable[..., None], args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, port: int, worker: Callable[..., Any], args: tuple,
+               out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        worker(rank, world_size, *args)
+        results = gather_to_rank0(worker(rank, world_size, *args))
+        if rank == 0:
+            Path(out).write_bytes(pickle.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -153,17 +174,25 @@ class Measurement:
     seconds: float  # wall time
     cpu_seconds: float  # CPU time of this process, all threads
     io: IOCounters  # /proc/self/io delta
+    value: Any = None  # what the call returned (a load's report, ...)
 
 
-def timed_collective(call: Callable[[], Any]) -> Measurement:
-    """Run ``call`` on this rank after a barrier and measure it."""
+def timed_collective(call: Callable[..., Any], *args: Any) -> Measurement:
+    """Run ``call(*args)`` on this rank after a barrier and measure it."""
     dist.barrier()
     io = IOCounters.snapshot()
     cpu = time.process_time()
     start = time.perf_counter()
-    call()
+    value = call(*args)
     seconds = time.perf_counter() - start
-    return Measurement(seconds, time.process_time() - cpu, IOCounters.snapshot() - io)
+    return Measurement(seconds, time.process_time() - cpu, IOCounters.snapshot() - io, value)
+
+
+def timed(call: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    """Wall seconds of ``call(*args, **kwargs)`` in this process (no collective)."""
+    start = time.perf_counter()
+    call(*args, **kwargs)
+    return time.perf_counter() - start
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
@@ -171,6 +200,48 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def record(samples: list[Sample], family: str, scenario: str, kind: str, system: Any,
+           repeat: int, m: Measurement, needed: int | None = None, ok: bool | None = None,
+           **extra) -> None:
+    """Gather one call's per-rank measurements to rank 0 and add them to
+    ``samples`` there as one :class:`Sample` (``extra``: its other fields,
+    as rank 0 knows them)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = (m.seconds, m.cpu_seconds, m.io.as_dict(), needed, ok, requests_of(m.value))
+    per_rank = gather_to_rank0(mine)
+    if rank != 0:
+        return
+    load = kind == "load"
+    sample = Sample(
+        family=family,
+        scenario=scenario,
+        kind=kind,
+        world_size=world_size,
+        system=system.name,
+        repeat=repeat,
+        seconds=max(p[0] for p in per_rank),
+        rank_cpu_seconds=[p[1] for p in per_rank],
+        rank_io=[p[2] for p in per_rank],
+        needed_bytes=[p[3] for p in per_rank] if load else None,
+        verified=all(p[4] for p in per_rank) if load and per_rank[0][4] is not None else None,
+        rank_requests=[p[5] for p in per_rank] if load else None,
+        **extra,
+    )
+    samples.append(sample)
+    print(f"  W={world_size} r={repeat} {scenario:<26} {system.name:<9} {sample.seconds:.3f} s",
+          file=sys.stderr)
+
+
+def rotation(items: Sequence[T], k: int) -> list[T]:
+    """``items`` rotated left by ``k`` places.  Run the systems of repeat
+    (or step) ``k`` in this order, and over ``len(items)`` consecutive
+    values of ``k`` each system runs in every position once: storage is
+    slower right after another system's writes, so a fixed position would
+    favour or handicap one system throughout."""
+    k %= len(items)
+    return [*items[k:], *items[:k]]
 
 
 def _files(path: Path) -> list[Path]:
@@ -222,33 +293,3 @@ def probe_eviction(scratch: str | os.PathLike, size: int = 16 << 20) -> str | No
         return None
     finally:
         shutil.rmtree(probe_dir)
-
-
-def summarize(runs: list[dict]) -> dict:
-    """One row from repeated runs of one measurement: every ``*_s`` key
-    becomes the median (seconds), with ``*_s_range`` = [min, max]; other
-    keys come from the first run; ``repeat`` counts the runs."""
-    row = dict(runs[0])
-    for key in list(row):
-        if key.endswith("_s"):
-            values = [r[key] for r in runs]
-            row[key] = statistics.median(values)
-            row[f"{key}_range"] = [min(values), max(values)]
-    row["repeat"] = len(runs)
-    return row
-
-
-def median_range(row: dict, key: str, spec: str = ".3f") -> str:
-    """A :func:`summarize`d value as ``median (min–max)``; ``–`` if the row
-    lacks it."""
-    if key not in row:
-        return "–"
-    lo, hi = row.get(f"{key}_range", (row[key], row[key]))
-    return f"{row[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
-
-
-def write_rows(rows: list[dict], out_dir: str | os.PathLike, name: str) -> None:
-    """``rows`` as ``out_dir/name.json``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .report import Column, markdown_table, write_table
+
 MIB = 2**20
 TIME = "/usr/bin/time"
 SHARD_BYTES = 500 * 10**6
@@ -62,7 +64,8 @@ def _model_shapes(size_gib: float) -> dict[str, tuple[int, ...]]:
     layers = max(1, round((size_gib * 2**30 - 4 * vocab * hidden) / layer_bytes))
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({p + "attn.qkv.weight": (3 * hidden, hidden), p + "attn.o.weight": (hidden, hidden),
+        shapes.update({p + "attn.qkv.weight": (3 * hidden, hidden),
+                       p + "attn.o.weight": (hidden, hidden),
                        p + "mlp.up.weight": (ffn, hidden), p + "mlp.down.weight": (hidden, ffn),
                        p + "norm1.weight": (hidden,), p + "norm2.weight": (hidden,)})
     shapes["norm.weight"] = (hidden,)
@@ -124,7 +127,8 @@ def _convert(operation: str, src: Path, dst: Path) -> dict:
     measurements plus ``peak_rss`` (bytes), time's maximum resident set
     size of the process."""
     if not Path(TIME).exists():
-        raise RuntimeError(f"{TIME} (GNU time) is needed to measure peak memory: apt-get install time")
+        raise RuntimeError(f"{TIME} (GNU time) is needed to measure peak memory: "
+                           "apt-get install time")
     out = subprocess.run([TIME, "-v", sys.executable, "-m", "benchmarks.convert", "--child",
                           operation, str(src), str(dst)], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parent.parent)
@@ -149,7 +153,8 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3, scratch: str | None = None) -> list[dict]:
+def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3,
+        scratch: str | None = None) -> list[dict]:
     """Measure every conversion and its ``cp`` baselines; returns one row
     per operation (seconds: median of ``repeat``; ``x cp``: seconds over
     those of ``cp -r`` of the same source; memory in MiB) and writes
@@ -172,7 +177,8 @@ def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3, scratch: str | None 
                 if source not in copied:
                     copied.add(source)
                     for sync in (False, True):
-                        baselines.setdefault((source, sync), []).append(_cp(src, work / "copy", sync))
+                        seconds = _cp(src, work / "copy", sync)
+                        baselines.setdefault((source, sync), []).append(seconds)
                         _remove(work / "copy")
                 dst = work / f"{target}-from-{source}"
                 _remove(dst)
@@ -197,21 +203,28 @@ def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3, scratch: str | None 
                 "model_MiB": round(tensor_bytes / MIB), "repeat": repeat})
     finally:
         _remove(work)
-    (out_dir / "convert.json").write_text(json.dumps(rows, indent=1))
-    (out_dir / "convert.md").write_text(markdown(rows))
+    write_table(out_dir, "convert", rows, markdown(rows))
     return rows
+
+
+COLUMNS: list[Column] = [
+    ("operation", lambda r: r["operation"]),
+    ("seconds", lambda r: f"{r['seconds']:.2f}"),
+    ("MiB/s", lambda r: str(r["MiB/s"])),
+    ("cp -r (s)", lambda r: f"{r['cp_seconds']:.2f}"),
+    ("cp -r + sync (s)", lambda r: f"{r['cp_sync_seconds']:.2f}"),
+    ("× cp", lambda r: f"{r['x cp']:.2f}"),
+    ("× cp+sync", lambda r: f"{r['x cp+sync']:.2f}"),
+    ("peak RSS (MiB)", lambda r: str(r["peak_rss_MiB"])),
+    ("RSS growth (MiB)", lambda r: str(r["rss_growth_MiB"])),
+]
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table, with the model's size in the title."""
     head = (f"Model: {rows[0]['model_MiB']} MiB of float32 tensors, largest "
-            f"{rows[0]['largest_tensor_MiB']} MiB; median of {rows[0]['repeat']}.\n\n"
-            "| operation | seconds | MiB/s | cp -r (s) | cp -r + sync (s) | × cp | × cp+sync "
-            "| peak RSS (MiB) | RSS growth (MiB) |\n|---|---|---|---|---|---|---|---|---|\n")
-    return head + "".join(
-        f"| {r['operation']} | {r['seconds']:.2f} | {r['MiB/s']} | {r['cp_seconds']:.2f} | "
-        f"{r['cp_sync_seconds']:.2f} | {r['x cp']:.2f} | {r['x cp+sync']:.2f} | "
-        f"{r['peak_rss_MiB']} | {r['rss_growth_MiB']} |\n" for r in rows)
+            f"{rows[0]['largest_tensor_MiB']} MiB; median of {rows[0]['repeat']}.")
+    return f"{head}\n\n{markdown_table(rows, COLUMNS)}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,6 @@ every other rank one.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -41,7 +40,8 @@ from dcp.orchestration.save import WriteResult, build_metadata
 from planners.save import DefaultSavePlanner
 from storage_plugins.posix import PosixStorage
 
-from .common import launch, median_range, summarize, write_rows
+from .common import launch, timed
+from .report import Column, markdown_table, median_range, summarize_runs, write_table
 from .scale import Layout, local_plans, simulated_write_results
 
 TIMEOUT_S = 600.0
@@ -70,12 +70,6 @@ class _CountingStorage(PosixStorage):
         payload = super().read_exchange(name)
         (self.reads if payload is not None else self.misses)[self.rank] += 1
         return payload
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult]]:
@@ -118,21 +112,21 @@ def measure_file(ranks: int, scratch: str | None) -> dict:
             inputs = []
             for r in range(1, ranks):
                 storage.rank = r
-                inputs.append(_timed(lambda: coords[r]._gather(number, step, (parts[r], None))))
+                inputs.append(timed(coords[r]._gather, number, step, (parts[r], None)))
             storage.rank = 0
-            compute = []
+            compute: list[float] = []
 
-            def timed_global(values, fn=global_fn):
+            def timed_global(values, fn=global_fn, compute=compute):
                 t = time.perf_counter()
                 out = fn(values)
                 compute.append(time.perf_counter() - t)
                 return out
 
-            coordinator = _timed(lambda: coords[0].step(step, lambda: parts[0], timed_global))
+            coordinator = timed(coords[0].step, step, lambda parts=parts: parts[0], timed_global)
             answers = []
             for r in range(1, ranks):
                 storage.rank = r
-                answers.append(_timed(lambda: coords[r]._reply(number, step, False, None)))
+                answers.append(timed(coords[r]._reply, number, step, False, None))
             row.update({
                 f"{step}_rank_part_s": max(inputs),
                 f"{step}_coordinator_s": coordinator,
@@ -197,61 +191,63 @@ def _times(seen: list[dict], compute: dict[str, float]) -> dict:
     return out
 
 
-def _gloo_rank(rank: int, world_size: int, out: str) -> None:
+def _gloo_rank(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """This rank's answer times and (the coordinator's) compute times."""
     import torch.distributed as dist
 
     plans, results = _payloads(world_size)
     compute: dict[str, float] = {}
     dist.barrier()
     seen = _save_steps(Coordinator(), plans[rank], results[rank], compute)
-    everyone = [None] * world_size if rank == 0 else None
-    dist.gather_object(seen, everyone, dst=0)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"transport": "gloo", "ranks": world_size,
-                                         **_times(everyone, compute)}))
+    return seen, compute
 
 
-def measure_gloo(world_size: int, scratch: str) -> dict:
+def measure_gloo(world_size: int, scratch: str | None) -> dict:
     """One save's coordination over a gloo group of ``world_size`` processes."""
-    out = Path(tempfile.mkdtemp(prefix="coord-gloo-", dir=scratch)) / "row.json"
-    try:
-        launch(_gloo_rank, world_size, str(out))
-        return json.loads(out.read_text())
-    finally:
-        shutil.rmtree(out.parent, ignore_errors=True)
+    per_rank = launch(_gloo_rank, world_size)
+    return {"transport": "gloo", "ranks": world_size,
+            **_times([seen for seen, _ in per_rank], per_rank[0][1])}
 
 
 def run(out_dir, *, ranks=(64, 128, 256, 512), gloo=(2, 4, 8), repeat: int = 3,
         quick: bool = False, scratch: str | None = None) -> list[dict]:
     """Measure each transport and size ``repeat`` times; one row per
     (transport, ranks) with medians (``*_s``) and ranges (``*_s_range``);
-    written to ``out_dir/coordination.json``."""
+    written to ``out_dir/coordination.json`` and ``coordination.md``."""
     if quick:
         ranks, gloo, repeat = (16, 32), (2,), 1
     rows = []
-    for transport, sizes, fn in (("file", ranks, measure_file), ("gloo", gloo, measure_gloo)):
+    for sizes, fn in ((ranks, measure_file), (gloo, measure_gloo)):
         for n in sizes:
-            rows.append(summarize([fn(n, scratch) for _ in range(repeat)]))
-    write_rows(rows, out_dir, "coordination")
+            rows.append(summarize_runs([fn(n, scratch) for _ in range(repeat)]))
+    write_table(out_dir, "coordination", rows, markdown(rows))
     return rows
+
+
+def _reads(r: dict) -> str:
+    if "coordinator_reads_per_step" not in r:
+        return "–"
+    return f"{r['coordinator_reads_per_step']:.0f} / {r['rank_reads_per_step_max']:.0f}"
+
+
+COLUMNS: list[Column] = [
+    ("transport", lambda r: r["transport"]),
+    ("ranks", lambda r: str(r["ranks"])),
+    ("plans: critical path s", lambda r: median_range(r, "plans_critical_s")),
+    ("plans: coordinator s", lambda r: median_range(r, "plans_coordinator_s")),
+    ("planning s", lambda r: f"{r['plans_compute_s']:.3f}"),
+    ("results: critical path s", lambda r: median_range(r, "results_critical_s")),
+    ("results: coordinator s", lambda r: median_range(r, "results_coordinator_s")),
+    ("metadata s", lambda r: f"{r['results_compute_s']:.3f}"),
+    ("files read per step: coordinator / other rank", _reads),
+    ("payload KB per rank", lambda r: f"{r['payload_bytes_per_rank'] / 1e3:.0f}"
+     if "payload_bytes_per_rank" in r else "–"),
+]
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
-    lines = ["| transport | ranks | plans: critical path s | plans: coordinator s | planning s | "
-             "results: critical path s | results: coordinator s | metadata s | "
-             "files read per step: coordinator / other rank | payload KB per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        reads = (f"{r['coordinator_reads_per_step']:.0f} / {r['rank_reads_per_step_max']:.0f}"
-                 if "coordinator_reads_per_step" in r else "–")
-        size = f"{r['payload_bytes_per_rank'] / 1e3:.0f}" if "payload_bytes_per_rank" in r else "–"
-        lines.append(
-            f"| {r['transport']} | {r['ranks']} | {median_range(r, 'plans_critical_s')} | "
-            f"{median_range(r, 'plans_coordinator_s')} | {r['plans_compute_s']:.3f} | "
-            f"{median_range(r, 'results_critical_s')} | {median_range(r, 'results_coordinator_s')} | "
-            f"{r['results_compute_s']:.3f} | {reads} | {size} |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> None:

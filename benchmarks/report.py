@@ -1,4 +1,14 @@
-"""Result records, their summary over repeats, and the JSON / Markdown output.
+"""Result records, their summary over repeats, and the one JSON / Markdown
+table writer of the benchmarks.
+
+Tables: :func:`markdown_table` renders any rows (dataclasses or dicts) as a
+GitHub Markdown table from a list of :data:`Column` s (header, cell
+function); each family names its columns and nothing else, and
+:func:`write_table` writes a family's rows as ``NAME.json`` and its table as
+``NAME.md``.  :func:`write_results` writes a whole run (``results.json``,
+``results.md``).  Rows of repeated runs of one measurement are summarised by
+:func:`summarize_runs` (dict rows) or :func:`summarize` (:class:`Sample` s),
+and :func:`median_range` formats a median with its range.
 
 A :class:`Sample` is one measured call (one system, scenario, world size and
 repeat) with the per-rank ``/proc/self/io`` deltas. :func:`summarize` groups
@@ -18,14 +28,65 @@ meaningful.
 from __future__ import annotations
 
 import json
+import os
 import statistics
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from .systems import BASELINE
+from .systems import BASELINE, FLOOR
 
 MB = 1e6
+
+#: A table column: its header and the function giving a row's cell.
+Column = tuple[str, Callable[[Any], str]]
+
+
+def markdown_table(rows: Iterable[Any], columns: Sequence[Column]) -> str:
+    """``rows`` as a GitHub Markdown table, one line per row."""
+    lines = ["| " + " | ".join(header for header, _ in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row) for _, cell in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_table(out_dir: str | os.PathLike, name: str, rows: list[Any], markdown: str) -> None:
+    """``rows`` as ``out_dir/NAME.json`` and ``markdown`` (their table) as
+    ``out_dir/NAME.md``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = [asdict(r) if is_dataclass(r) else r for r in rows]
+    (out / f"{name}.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown + "\n")
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    """One row from repeated runs of one measurement: every ``*_s`` key
+    becomes the median (seconds), with ``*_s_range`` = [min, max]; other
+    keys come from the first run; ``repeat`` counts the runs."""
+    row = dict(runs[0])
+    for key in list(row):
+        if key.endswith("_s"):
+            values = [r[key] for r in runs]
+            row[key] = statistics.median(values)
+            row[f"{key}_range"] = [min(values), max(values)]
+    row["repeat"] = len(runs)
+    return row
+
+
+def median_range(row: dict, key: str, spec: str = ".3f") -> str:
+    """A :func:`summarize_runs` value as ``median (min–max)``; ``–`` if the
+    row lacks it."""
+    if key not in row:
+        return "–"
+    lo, hi = row.get(f"{key}_range", (row[key], row[key]))
+    return f"{row[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted, ``–`` for None."""
+    return "–" if value is None else format(value, spec)
 
 
 @dataclass
@@ -41,10 +102,16 @@ class Sample:
     rank_io: list[dict[str, int]]  # per-rank IOCounters deltas
     needed_bytes: list[int] | None = None  # loads: per-rank bytes of the target local shards
     verified: bool | None = None  # loads: every rank's loaded values were correct
+    # loads: per-rank storage requests the system reports (hyperdcp's LoadReport.requests,
+    # the floors' reads); None where it reports none
+    rank_requests: list[int | None] | None = None
+    server: dict[str, int] | None = None  # object store: requests by method and "GET bytes"
+    checkpoint_bytes: int | None = None  # bytes of the checkpoint's tensors
 
 
 @dataclass
 class Row:
+    family: str
     scenario: str
     kind: str
     world_size: int
@@ -64,8 +131,15 @@ class Row:
     needed_per_rank: float | None
     read_amplification: float | None  # read_total / needed bytes of all ranks
     verified: bool | None
+    requests_per_rank: float | None = None  # the system's reported requests, mean over ranks
+    requests_max_rank: float | None = None
+    get_requests: float | None = None  # object store: GET requests the server answered
+    get_bytes: float | None = None  # object store: bytes of the GET responses' bodies
+    server_requests: float | None = None  # object store: requests of every method
+    checkpoint_bytes: int | None = None
     seconds_ratio: float | None = None  # this system / baseline, medians
     bytes_ratio: float | None = None  # written (saves) or read (loads), this system / baseline
+    seconds_vs_floor: float | None = None  # this system / the floor, medians
 
 
 def _total(sample: Sample, counter: str) -> int:
@@ -80,6 +154,16 @@ def _read_total(sample: Sample) -> int:
     """Bytes the ranks read: logical reads, unless the device served more (reads
     that bypass read syscalls, e.g. mmap, are only seen as storage reads)."""
     return max(_total(sample, "rchar"), _total(sample, "read_bytes"))
+
+
+def _all_requests(server: dict[str, int]) -> int:
+    """Requests of every method in a server's counts (its other keys count
+    bytes, or requests again)."""
+    return sum(n for key, n in server.items() if " " not in key)
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.median(values)
 
 
 def summarize(samples: Iterable[Sample]) -> list[Row]:
@@ -100,16 +184,21 @@ def summarize(samples: Iterable[Sample]) -> list[Row]:
     for (scenario, world_size, system), group in groups.items():
         w = world_size
         secs = [s.seconds for s in group]
-        needed = group[0].needed_bytes
+        first = group[0]
+        needed = first.needed_bytes
         read_total = med(_read_total(s) for s in group)
         amplification = read_total / sum(needed) if needed and sum(needed) else None
         verified = None
-        if group[0].verified is not None:
+        if first.verified is not None:
             verified = all(s.verified for s in group)
+        requests = [s.rank_requests for s in group]
+        known = all(r is not None and None not in r for r in requests)
+        server = [s.server for s in group]
         rows.append(
             Row(
+                family=first.family,
                 scenario=scenario,
-                kind=group[0].kind,
+                kind=first.kind,
                 world_size=w,
                 system=system,
                 repeats=len(group),
@@ -126,6 +215,15 @@ def summarize(samples: Iterable[Sample]) -> list[Row]:
                 needed_per_rank=None if needed is None else sum(needed) / w,
                 read_amplification=amplification,
                 verified=verified,
+                requests_per_rank=med(sum(r) / w for r in requests) if known else None,
+                requests_max_rank=med(max(r) for r in requests) if known else None,
+                get_requests=_median_or_none([None if v is None else v.get("GET", 0)
+                                              for v in server]),
+                get_bytes=_median_or_none([None if v is None else v.get("GET bytes", 0)
+                                           for v in server]),
+                server_requests=_median_or_none([None if v is None else _all_requests(v)
+                                                 for v in server]),
+                checkpoint_bytes=first.checkpoint_bytes,
             )
         )
     _add_ratios(rows)
@@ -134,7 +232,11 @@ def summarize(samples: Iterable[Sample]) -> list[Row]:
 
 def _add_ratios(rows: list[Row]) -> None:
     baseline = {(r.scenario, r.world_size): r for r in rows if r.system == BASELINE}
+    floor = {(r.scenario, r.world_size): r for r in rows if r.system == FLOOR}
     for r in rows:
+        low = floor.get((r.scenario, r.world_size))
+        if low is not None and r.system != FLOOR:
+            r.seconds_vs_floor = r.seconds_median / low.seconds_median
         base = baseline.get((r.scenario, r.world_size))
         if base is None or r.system == BASELINE:
             continue
@@ -146,10 +248,6 @@ def _add_ratios(rows: list[Row]) -> None:
         r.bytes_ratio = mine / theirs if theirs else None
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def _mb(per_rank: float, max_rank: float) -> str:
     text = f"{per_rank / MB:.0f}"
     if max_rank > 1.05 * per_rank and round(max_rank / MB) != round(per_rank / MB):
@@ -157,32 +255,44 @@ def _mb(per_rank: float, max_rank: float) -> str:
     return text
 
 
-def markdown_table(rows: list[Row]) -> str:
-    """The rows as a GitHub Markdown table (bytes in MB = 1e6 bytes, per rank)."""
-    header = [
-        "scenario", "W", "system", "seconds: median (min–max)", "× time", "CPU s (all ranks)",
-        "written MB/rank", "read MB/rank", "storage read MB (all ranks)", "needed MB/rank",
-        "read/needed", "× bytes", "correct",
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [
-            r.scenario,
-            str(r.world_size),
-            r.system,
-            f"{r.seconds_median:.3f} ({r.seconds_min:.3f}–{r.seconds_max:.3f})",
-            _fmt(r.seconds_ratio, ".2f"),
-            f"{r.cpu_seconds:.2f}",
-            _mb(r.written_per_rank, r.written_max_rank),
-            _mb(r.read_per_rank, r.read_max_rank),
-            f"{r.storage_read_total / MB:.0f}",
-            _fmt(None if r.needed_per_rank is None else r.needed_per_rank / MB, ".0f"),
-            _fmt(r.read_amplification, ".2f"),
-            _fmt(r.bytes_ratio, ".2f"),
-            {None: "–", True: "yes", False: "**NO**"}[r.verified],
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def seconds_cell(r: Row) -> str:
+    return f"{r.seconds_median:.3f} ({r.seconds_min:.3f}–{r.seconds_max:.3f})"
+
+
+def requests_cell(r: Row) -> str:
+    """The system's reported requests per rank (mean, busiest rank if above it)."""
+    if r.requests_per_rank is None:
+        return "–"
+    mean = r.requests_per_rank
+    text = f"{mean:.1f}" if mean != round(mean) and mean < 10 else f"{mean:.0f}"
+    if r.requests_max_rank > 1.05 * mean:
+        text += f" (max {r.requests_max_rank:.0f})"
+    return text
+
+
+def verified_cell(r: Row) -> str:
+    return {None: "–", True: "yes", False: "**NO**"}[r.verified]
+
+
+#: The columns of the save/load tables on files (bytes in MB = 1e6 bytes, per rank).
+IO_COLUMNS: list[Column] = [
+    ("scenario", lambda r: r.scenario),
+    ("W", lambda r: str(r.world_size)),
+    ("system", lambda r: r.system),
+    ("seconds: median (min–max)", seconds_cell),
+    ("× time", lambda r: fmt(r.seconds_ratio, ".2f")),
+    ("× floor", lambda r: fmt(r.seconds_vs_floor, ".2f")),
+    ("CPU s (all ranks)", lambda r: f"{r.cpu_seconds:.2f}"),
+    ("written MB/rank", lambda r: _mb(r.written_per_rank, r.written_max_rank)),
+    ("read MB/rank", lambda r: _mb(r.read_per_rank, r.read_max_rank)),
+    ("read requests/rank", requests_cell),
+    ("storage read MB (all ranks)", lambda r: f"{r.storage_read_total / MB:.0f}"),
+    ("needed MB/rank",
+     lambda r: fmt(None if r.needed_per_rank is None else r.needed_per_rank / MB, ".0f")),
+    ("read/needed", lambda r: fmt(r.read_amplification, ".2f")),
+    ("× bytes", lambda r: fmt(r.bytes_ratio, ".2f")),
+    ("correct", verified_cell),
+]
 
 
 @dataclass
@@ -206,7 +316,7 @@ def markdown_targets(targets: list[TargetResult], timings_reliable: bool) -> str
         verdict = {None: "not measured", True: "PASS", False: "FAIL"}[t.passed]
         if t.timing and t.passed is not None and not timings_reliable:
             verdict += " (busy machine: unreliable)"
-        measured = _fmt(t.measured, ".2f")
+        measured = fmt(t.measured, ".2f")
         lines.append(f"- {verdict}: {t.description}: {measured} (limit {t.limit:g})")
     return "\n".join(lines)
 
@@ -224,7 +334,8 @@ def write_results(
 ) -> tuple[Path, Path, str]:
     """Write ``results.json`` and ``results.md`` into ``out_dir``; return their
     paths and the Markdown text.  ``tables``: the rows of the families with
-    tables of their own (JSON), ``sections`` their Markdown tables."""
+    tables of their own (JSON); ``sections``: every Markdown table of the
+    run, by title."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "results.json"
     md_path = out_dir / "results.md"
@@ -244,7 +355,6 @@ def write_results(
     md = "\n\n".join(
         [
             "# hyperdcp benchmarks",
-            markdown_table(rows) if rows else "(no save/load scenario run)",
             *(f"## {name}\n\n{text}" for name, text in (sections or {}).items()),
             "## Targets\n\n" + (markdown_targets(targets, timings_reliable) or "(none)"),
             "## Notes\n\n" + "\n".join(f"- {n}" for n in notes),

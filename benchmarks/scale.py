@@ -30,8 +30,7 @@ from dcp.orchestration.save import WriteResult, build_metadata
 from planners.load import DefaultLoadPlanner
 from planners.save import DefaultSavePlanner
 
-from .common import median_range, summarize, write_rows
-from .report import TargetResult
+from .report import Column, TargetResult, markdown_table, median_range, summarize_runs, write_table
 
 HIDDEN, LAYERS, VOCAB = 20480, 96, 128000
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
@@ -113,7 +112,7 @@ def simulated_write_results(local: list[SavePlan], final: list[SavePlan]) -> lis
     fingerprints of the chunks it holds but did not write whole, as
     ``dcp.save`` reports them."""
     results = []
-    for rank, (offered, plan) in enumerate(zip(local, final)):
+    for rank, (offered, plan) in enumerate(zip(local, final, strict=True)):
         name, offset, result = f"r{rank:05d}-0.0123456789abcdef.data", 0, WriteResult()
         for item in plan.items:
             result.chunks.append((item.fqn, ChunkMeta(item.offsets, item.sizes, name, offset,
@@ -224,30 +223,33 @@ def run(out_dir, *, ranks=(1024, 4096, 10240, 16384), repeat: int = 3,
         quick: bool = False) -> list[dict]:
     """Measure each rank count ``repeat`` times; one row per rank count with
     the medians of the seconds (``*_s``) and their ranges (``*_s_range``);
-    sizes and balance ratios do not vary.  Written to ``out_dir/scale.json``."""
+    sizes and balance ratios do not vary.  Written to ``out_dir/scale.json``
+    and ``scale.md``."""
     if quick:
         ranks, repeat = (1024,), 1
-    rows = []
-    for n in ranks:
-        rows.append(summarize([measure(n) for _ in range(repeat)]))
-    write_rows(rows, out_dir, "scale")
+    rows = [summarize_runs([measure(n) for _ in range(repeat)]) for n in ranks]
+    write_table(out_dir, "scale", rows, markdown(rows))
     return rows
+
+
+COLUMNS: list[Column] = [
+    ("ranks", lambda r: f"{r['ranks']:,}"),
+    ("local plan items", lambda r: f"{r['local_plan_items']:,}"),
+    ("chunks", lambda r: f"{r['chunks']:,}"),
+    ("global save plan s", lambda r: median_range(r, "global_plan_s", ".2f")),
+    ("write max/mean (layout's best)",
+     lambda r: f"{r['write_max_over_mean']:.3f} ({r['write_best_max_over_mean']:.3f})"),
+    ("metadata MB", lambda r: f"{r['metadata_mb']:.2f}"),
+    ("build+encode s", lambda r: median_range(r, "metadata_build_encode_s", ".2f")),
+    ("decode s", lambda r: median_range(r, "metadata_decode_s")),
+    ("one rank's load plan (TP4, DP×2) s", lambda r: median_range(r, "load_local_plan_s")),
+    ("read max/mean (one stage)", lambda r: f"{r['read_max_over_mean']:.3f}"),
+]
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table (seconds: median (min–max))."""
-    lines = ["| ranks | local plan items | chunks | global save plan s | write max/mean "
-             "(layout's best) | metadata MB | build+encode s | decode s | one rank's load plan "
-             "(TP4, DP×2) s | read max/mean (one stage) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['ranks']:,} | {r['local_plan_items']:,} | {r['chunks']:,} | "
-            f"{median_range(r, 'global_plan_s', '.2f')} | {r['write_max_over_mean']:.3f} "
-            f"({r['write_best_max_over_mean']:.3f}) | {r['metadata_mb']:.2f} | "
-            f"{median_range(r, 'metadata_build_encode_s', '.2f')} | {median_range(r, 'metadata_decode_s')} | "
-            f"{median_range(r, 'load_local_plan_s')} | {r['read_max_over_mean']:.3f} |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
 def targets(rows: list[dict]) -> list[TargetResult]:
@@ -268,7 +270,8 @@ def targets(rows: list[dict]) -> list[TargetResult]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1024, 4096, 10240, 16384])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))

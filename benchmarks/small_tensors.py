@@ -4,26 +4,25 @@ State dict: :data:`COUNT` plain fp32 tensors of 256 elements (1 KiB each,
 4,000 x 1 KiB = 4 MiB), replicated on every rank, as the many small
 parameters and optimizer entries of a real model.  For each world size one
 process group saves it with each system and loads it back into zeroed
-tensors, ``repeat`` times, the systems' order alternating between repeats;
+tensors, ``repeat`` times, the systems' order rotating between repeats;
 every load is checked element-exact.  Target: hyperdcp <= 0.25x torch DCP's
 time, for save and for load.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .common import RunConfig, gather_to_rank0, launch, timed_collective
-from .report import Row, Sample, TargetResult
+from .common import RunConfig, launch, record, rotation, timed_collective
+from .report import IO_COLUMNS, Row, Sample, TargetResult
 from .systems import SYSTEMS
 
 FAMILY = "small_tensors"
+COLUMNS = IO_COLUMNS
 COUNT, ELEMENTS = 4000, 256
 QUICK_COUNT = 200
 TARGET = 0.25
@@ -48,9 +47,8 @@ def run(scenarios: list[str], config: RunConfig) -> list[Sample]:
         workdir.mkdir(parents=True)
         try:
             print(f"[{FAMILY}] W={world_size}", file=sys.stderr)
-            launch(_worker, world_size, config, count, str(workdir))
-            samples += [Sample(**s) for s in json.loads((workdir / "samples.json").read_text())
-                        if s["scenario"] in scenarios]
+            measured = launch(_worker, world_size, config, count, str(workdir))[0]
+            samples += [s for s in measured if s.scenario in scenarios]
         finally:
             shutil.rmtree(workdir)
     return samples
@@ -63,34 +61,24 @@ def targets(rows: list[Row]) -> list[TargetResult]:
             for r in rows if r.scenario in SCENARIOS and r.system == "hyperdcp"]
 
 
-def _worker(rank: int, world_size: int, config: RunConfig, count: int, workdir: str) -> None:
-    systems = [SYSTEMS[name]() for name in config.systems if not getattr(SYSTEMS[name], "floor", False)]
+def _worker(rank: int, world_size: int, config: RunConfig, count: int,
+            workdir: str) -> list[Sample]:
+    systems = [SYSTEMS[name]() for name in config.systems
+               if not getattr(SYSTEMS[name], "floor", False)]
     source, target = _state(count, True), _state(count, False)
     for system in systems:  # imports and first collectives, unmeasured
         system.save(_state(4, True), f"{workdir}/warmup-{system.name}")
         system.load(_state(4, False), f"{workdir}/warmup-{system.name}")
-    samples = []
+    samples: list[Sample] = []
+    needed = count * ELEMENTS * 4
     for repeat in range(config.repeat):
-        for system in systems if repeat % 2 == 0 else systems[::-1]:
+        for system in rotation(systems, repeat):
             path = f"{workdir}/r{repeat}-{system.name}"
-            save = timed_collective(lambda: system.save(source, path))
+            save = timed_collective(system.save, source, path)
             for t in target.values():
                 t.zero_()
-            load = timed_collective(lambda: system.load(target, path))
+            load = timed_collective(system.load, target, path)
             ok = all(torch.equal(target[k], v) for k, v in source.items())
-            needed = count * ELEMENTS * 4
-            for scenario, kind, m in (("save_small_tensors", "save", save),
-                                      ("load_small_tensors", "load", load)):
-                per_rank = gather_to_rank0((m.seconds, m.cpu_seconds, m.io.as_dict(), ok))
-                if rank == 0:
-                    samples.append(Sample(
-                        family=FAMILY, scenario=scenario, kind=kind, world_size=world_size,
-                        system=system.name, repeat=repeat, seconds=max(p[0] for p in per_rank),
-                        rank_cpu_seconds=[p[1] for p in per_rank],
-                        rank_io=[p[2] for p in per_rank],
-                        needed_bytes=None if kind == "save" else [needed] * world_size,
-                        verified=None if kind == "save" else all(p[3] for p in per_rank)))
-                    print(f"  W={world_size} r={repeat} {scenario:<20} {system.name:<9} "
-                          f"{samples[-1].seconds:.3f} s", file=sys.stderr)
-    if rank == 0:
-        (Path(workdir) / "samples.json").write_text(json.dumps([asdict(s) for s in samples]))
+            record(samples, FAMILY, "save_small_tensors", "save", system, repeat, save)
+            record(samples, FAMILY, "load_small_tensors", "load", system, repeat, load, needed, ok)
+    return samples

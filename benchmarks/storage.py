@@ -15,28 +15,31 @@
 
 ``run(out_dir)`` writes ``storage.json`` and ``storage.md`` there and returns
 the rows; ``python -m benchmarks.storage [--out DIR] [--repeat N] [--quick]``
-prints the table.
+prints the table.  Needs the bench extra (s3fs, moto) and pytest (for
+:func:`dcp.testing.local_s3_server`), imported when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
-import s3fs
 import torch
 
 import dcp
 from dcp.core.storage import open_storage
-from dcp.testing import local_s3_server
+
+from .common import timed
+from .report import Column, markdown_table, write_table
+
+if TYPE_CHECKING:
+    import s3fs
 
 MiB = 1 << 20
 MB = 1e6
@@ -59,12 +62,6 @@ def _zeros(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def _row(case: str, kind: str, system: str, nbytes: int, seconds: list[float], **extra) -> dict:
     median = statistics.median(seconds)
     return {"family": "storage", "scenario": case, "kind": kind, "system": system,
@@ -79,14 +76,19 @@ def _file_images(state: dict[str, torch.Tensor], md: dcp.Metadata) -> dict[str, 
     pieces: dict[str, list[tuple[int, bytes]]] = {}
     for fqn, meta in md.tensors.items():
         for chunk in meta.chunks:
-            pieces.setdefault(chunk.file, []).append((chunk.byte_offset, state[fqn].numpy().tobytes()))
+            data = state[fqn].numpy().tobytes()
+            pieces.setdefault(chunk.file, []).append((chunk.byte_offset, data))
     return {name: b"".join(data for _, data in sorted(parts)) for name, parts in pieces.items()}
 
 
-def _raw_save(fs: s3fs.S3FileSystem, prefix: str, images: dict[str, bytes], part_size: int) -> None:
+def _raw_save(fs: s3fs.S3FileSystem, prefix: str, images: dict[str, bytes],
+              part_size: int) -> None:
+    def put(item: tuple[str, bytes]) -> None:
+        fs.pipe_file(f"{prefix}/{item[0]}", item[1], chunksize=part_size,
+                     max_concurrency=CONCURRENCY)
+
     with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(lambda item: fs.pipe_file(f"{prefix}/{item[0]}", item[1], chunksize=part_size,
-                                                max_concurrency=CONCURRENCY), images.items()))
+        list(pool.map(put, images.items()))
 
 
 def _raw_load(fs: s3fs.S3FileSystem, prefix: str, md: dcp.Metadata, part_size: int) -> None:
@@ -105,18 +107,22 @@ def _raw_load(fs: s3fs.S3FileSystem, prefix: str, md: dcp.Metadata, part_size: i
 
 def _plugin_save(storage, images: dict[str, bytes]) -> None:
     with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(lambda item: storage.write_file(item[0], [memoryview(item[1])]), images.items()))
+        list(pool.map(lambda item: storage.write_file(item[0], [memoryview(item[1])]),
+                      images.items()))
 
 
 def _plugin_load(storage, md: dcp.Metadata, state: dict[str, torch.Tensor]) -> None:
     """Each chunk read by the plugin straight into a tensor, ``THREADS`` at a time."""
-    jobs = [(c, torch.empty_like(state[fqn])) for fqn, meta in md.tensors.items() for c in meta.chunks]
+    jobs = [(c, torch.empty_like(state[fqn]))
+            for fqn, meta in md.tensors.items() for c in meta.chunks]
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(lambda job: storage.read_ranges(
             job[0].file, [(job[0].byte_offset, memoryview(job[1].numpy()).cast("B"))]), jobs))
 
 
 def _s3_rows(endpoint: str, repeat: int, quick: bool) -> list[dict]:
+    import s3fs
+
     credentials = {"endpoint_url": endpoint, "key": "bench", "secret": "bench",
                    "client_kwargs": {"region_name": "us-east-1"}}
     raw = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **credentials)
@@ -135,29 +141,25 @@ def _s3_rows(endpoint: str, repeat: int, quick: bool) -> list[dict]:
         for r in range(repeat):
             order = ["hyperdcp", "S3 plugin alone", "raw s3fs"]
             for system in order if r % 2 == 0 else order[::-1]:
+                save = times.setdefault(("save", system), [])
+                load = times.setdefault(("load", system), [])
                 if system == "hyperdcp":
                     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
-                    times.setdefault(("save", system), []).append(
-                        _timed(lambda: dcp.save(state, url, storage_options=options)))
+                    save.append(timed(dcp.save, state, url, storage_options=options))
                     target = _zeros(state)
-                    times.setdefault(("load", system), []).append(
-                        _timed(lambda: dcp.load(target, url, storage_options=options)))
+                    load.append(timed(dcp.load, target, url, storage_options=options))
                     verified &= all(torch.equal(target[k], v) for k, v in state.items())
                     raw.rm(url.removeprefix("s3://"), recursive=True)
                 elif system == "S3 plugin alone":
                     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}-plugin"
                     storage = open_storage(url, **options)
-                    times.setdefault(("save", system), []).append(
-                        _timed(lambda: _plugin_save(storage, images)))
-                    times.setdefault(("load", system), []).append(
-                        _timed(lambda: _plugin_load(storage, layout, state)))
+                    save.append(timed(_plugin_save, storage, images))
+                    load.append(timed(_plugin_load, storage, layout, state))
                     raw.rm(url.removeprefix("s3://"), recursive=True)
                 else:
                     prefix = f"{BUCKET}/{uuid.uuid4().hex[:8]}-raw"
-                    times.setdefault(("save", system), []).append(
-                        _timed(lambda: _raw_save(raw, prefix, images, part_size)))
-                    times.setdefault(("load", system), []).append(
-                        _timed(lambda: _raw_load(raw, prefix, layout, part_size)))
+                    save.append(timed(_raw_save, raw, prefix, images, part_size))
+                    load.append(timed(_raw_load, raw, prefix, layout, part_size))
                     raw.rm(prefix, recursive=True)
         for kind in ("save", "load"):
             ours, base = times[(kind, "hyperdcp")], times[(kind, "raw s3fs")]
@@ -168,7 +170,8 @@ def _s3_rows(endpoint: str, repeat: int, quick: bool) -> list[dict]:
                              vs_raw_s3fs=statistics.median(base) / statistics.median(alone),
                              vs_raw_s3fs_best=min(base) / min(alone)))
             rows.append(_row(case, kind, "hyperdcp", total, ours, vs_raw_s3fs=ratio,
-                             vs_raw_s3fs_best=min(base) / min(ours), target=TARGET, met=ratio >= TARGET,
+                             vs_raw_s3fs_best=min(base) / min(ours), target=TARGET,
+                             met=ratio >= TARGET,
                              **({"verified": verified} if kind == "load" else {})))
     return rows
 
@@ -191,10 +194,10 @@ def _memory_rows(scratch: Path, repeat: int, quick: bool) -> list[dict]:
         for name in names:
             location, options = systems[name]
             times.setdefault(("save", name), []).append(
-                _timed(lambda: dcp.save(state, location(r), storage_options=options)))
+                timed(dcp.save, state, location(r), storage_options=options))
             target = _zeros(state)
             times.setdefault(("load", name), []).append(
-                _timed(lambda: dcp.load(target, location(r), storage_options=options)))
+                timed(dcp.load, target, location(r), storage_options=options))
             verified[name] &= all(torch.equal(target[k], v) for k, v in state.items())
             storage = open_storage(location(r), **options)
             storage.delete(storage.list_files())
@@ -212,25 +215,35 @@ def _memory_rows(scratch: Path, repeat: int, quick: bool) -> list[dict]:
     return rows
 
 
+def _ratio(row: dict) -> str:
+    if "vs_raw_s3fs" in row:
+        ratio = f"{row['vs_raw_s3fs']:.2f}x raw s3fs (best runs: {row['vs_raw_s3fs_best']:.2f}x)"
+        if "met" in row:
+            ratio += f", {'meets' if row['met'] else 'misses'} >= {TARGET}"
+    elif "vs_posix" in row:
+        ratio = f"{row['vs_posix']:.2f}x posix (fsync)"
+    else:
+        ratio = "baseline"
+    if row.get("verified") is False:
+        ratio += "; LOADED VALUES WRONG"
+    return ratio
+
+
+COLUMNS: list[Column] = [
+    ("scenario", lambda r: r["scenario"]),
+    ("op", lambda r: r["kind"]),
+    ("system", lambda r: r["system"]),
+    ("MB", lambda r: f"{r['bytes'] / MB:.0f}"),
+    ("s (median, min–max)",
+     lambda r: f"{r['seconds_median']:.3f} ({r['seconds_min']:.3f}–{r['seconds_max']:.3f})"),
+    ("MB/s (median)", lambda r: f"{r['MB_per_s']:.0f}"),
+    ("ratio of medians", _ratio),
+]
+
+
 def markdown(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
-    lines = ["| scenario | op | system | MB | s (median, min–max) | MB/s (median) | ratio of medians |",
-             "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        if "vs_raw_s3fs" in row:
-            ratio = f"{row['vs_raw_s3fs']:.2f}x raw s3fs (best runs: {row['vs_raw_s3fs_best']:.2f}x)"
-            if "met" in row:
-                ratio += f", {'meets' if row['met'] else 'misses'} >= {TARGET}"
-        elif "vs_posix" in row:
-            ratio = f"{row['vs_posix']:.2f}x posix (fsync)"
-        else:
-            ratio = "baseline"
-        if row.get("verified") is False:
-            ratio += "; LOADED VALUES WRONG"
-        lines.append(f"| {row['scenario']} | {row['kind']} | {row['system']} | {row['bytes'] / MB:.0f} | "
-                     f"{row['seconds_median']:.3f} ({row['seconds_min']:.3f}–{row['seconds_max']:.3f}) | "
-                     f"{row['MB_per_s']:.0f} | {ratio} |")
-    return "\n".join(lines)
+    return markdown_table(rows, COLUMNS)
 
 
 def run(out_dir, *, repeat: int = 3, quick: bool = False, scratch: str | None = None) -> list[dict]:
@@ -241,19 +254,21 @@ def run(out_dir, *, repeat: int = 3, quick: bool = False, scratch: str | None = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hyperdcp-storage-bench-", dir=scratch))
+    from dcp.testing import local_s3_server
+
     try:
         with local_s3_server() as endpoint:
             rows = _s3_rows(endpoint, repeat, quick)
         rows += _memory_rows(work, repeat, quick)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    (out / "storage.json").write_text(json.dumps(rows, indent=1))
-    (out / "storage.md").write_text(markdown(rows) + "\n")
+    write_table(out, "storage", rows, markdown(rows))
     return rows
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.storage", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.storage",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="state dicts 64x smaller")

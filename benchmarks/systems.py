@@ -4,17 +4,29 @@
 ``FileSystemWriter``/``FileSystemReader``; it is the baseline of every ratio.
 ``hyperdcp`` is this project's ``dcp`` with its defaults.  ``floor`` is
 no checkpoint system but the storage's own limit for saves and loads (see
-:class:`StorageFloor`).
+:class:`StorageFloor`).  A load returns what the system reports about it
+(hyperdcp's :class:`dcp.LoadReport`, the floor's :class:`Reads`; torch DCP
+reports nothing): the benchmarks take ``requests`` from it where it has one.
+(The S3 systems, same names, are in :mod:`benchmarks.s3_load`.)
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 BASELINE = "torch-dcp"
+FLOOR = "floor"
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What a floor's load did on this rank: ``requests`` storage reads."""
+
+    requests: int
 
 
 class System(Protocol):
@@ -22,7 +34,7 @@ class System(Protocol):
 
     def save(self, state_dict: dict[str, Any], path: str) -> None: ...
 
-    def load(self, state_dict: dict[str, Any], path: str) -> None: ...
+    def load(self, state_dict: dict[str, Any], path: str) -> Any: ...
 
 
 class TorchDCP:
@@ -51,8 +63,8 @@ class HyperDCP:
     def save(self, state_dict: dict[str, Any], path: str) -> None:
         self._save(state_dict, path)
 
-    def load(self, state_dict: dict[str, Any], path: str) -> None:
-        self._load(state_dict, path)
+    def load(self, state_dict: dict[str, Any], path: str) -> Any:
+        return self._load(state_dict, path)
 
 
 class StorageFloor(HyperDCP):
@@ -75,7 +87,7 @@ class StorageFloor(HyperDCP):
     copies.  Loaded values are not checked (nothing is placed).
     """
 
-    name = "floor"
+    name = FLOOR
     floor = True
     PIECE = 8 << 20
     THREADS = 4
@@ -83,8 +95,8 @@ class StorageFloor(HyperDCP):
     def save(self, state_dict: dict[str, Any], path: str) -> None:
         import torch.distributed as dist
 
-        from dcp.orchestration.save import describe_state
         from dcp.core.tensors import byte_view, to_host
+        from dcp.orchestration.save import describe_state
         from storage_plugins.posix import PosixStorage
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,7 +113,7 @@ class StorageFloor(HyperDCP):
                 f"floor.r{rank}.{k}.data", [byte_view(to_host(c.data)) for c in files[k]]),
                 range(self.THREADS)))
 
-    def load(self, state_dict: dict[str, Any], path: str) -> None:
+    def load(self, state_dict: dict[str, Any], path: str) -> Reads:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -110,7 +122,7 @@ class StorageFloor(HyperDCP):
         total = sum(sizes)
         lo, hi = total * rank // world, total * (rank + 1) // world
         pieces, start = [], 0  # (file, offset, length) of this rank's share, in PIECE parts
-        for p, size in zip(files, sizes):
+        for p, size in zip(files, sizes, strict=True):
             a, b = max(lo, start), min(hi, start + size)
             pieces += [(p, o - start, min(self.PIECE, b - o)) for o in range(a, b, self.PIECE)]
             start += size
@@ -128,9 +140,16 @@ class StorageFloor(HyperDCP):
                     os.close(fd)
         with ThreadPoolExecutor(self.THREADS) as pool:
             list(pool.map(read, range(self.THREADS)))
+        return Reads(len(pieces))
 
 
 SYSTEMS: dict[str, type] = {cls.name: cls for cls in (TorchDCP, HyperDCP, StorageFloor)}
+
+
+def requests_of(report: Any) -> int | None:
+    """The storage requests a load's report counts, None if it counts none
+    (torch DCP; hyperdcp before its report had ``requests``)."""
+    return getattr(report, "requests", None)
 
 
 def check_available(name: str) -> str | None:
