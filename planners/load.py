@@ -36,7 +36,7 @@ same group and reader are batched into transfers of about ``batch_bytes``.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from itertools import zip_longest
 
 from dcp.core.boxes import intersect_many, volume
@@ -116,9 +116,23 @@ class DefaultLoadPlanner(LoadPlanner):
         return PAGE_CACHE if plans and plans[0].shared_cache else SHARED_MEMORY
 
     def create_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        path = self.resolve_path(plans)
-        if path == "none" or len(plans) == 1:
+        if len(plans) == 1:
             return plans
+        final = self._assign(plans)
+        if plans[0].shared_cache:
+            _designate_checks(plans, final)
+        per_host = Counter(p.host or f"rank {r}" for r, p in enumerate(plans))
+        for rank, plan in enumerate(final):
+            plan.host_ranks = per_host[plans[rank].host or f"rank {rank}"]
+        return final
+
+    def _assign(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Who reads each region from storage, and how it reaches the other
+        ranks that need it."""
+        path = self.resolve_path(plans)
+        if path == "none":
+            return [LoadPlan(items=p.items, missing_keys=p.missing_keys,
+                             unexpected_keys=p.unexpected_keys) for p in plans]
         needers: dict[tuple, list[tuple[int, ReadItem]]] = defaultdict(list)
         for rank, plan in enumerate(plans):
             for item in plan.items:
@@ -200,6 +214,30 @@ def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
     for r in ranks:
         parts[hosts[r] or f"rank {r}"].append(r)
     return [tuple(p) for p in parts.values()]
+
+
+def _designate_checks(plans: list[LoadPlan], final: list[LoadPlan]) -> None:
+    """On storage whose cache a host shares, give each chunk that ranks of
+    one host read whole (for parts of it) one checker among them, balancing
+    the bytes each checks: the others read the same cached bytes."""
+    reads = [{(i.fqn, i.chunk) for i in [*p.items, *p.cached]} for p in final]
+    checked = [0] * len(plans)
+    candidates: dict[tuple[str, str, int], list[int]] = defaultdict(list)
+    sizes: dict[tuple[str, int], int] = {}
+    for rank, plan in enumerate(plans):
+        for fqn, number, nbytes in plan.whole_chunks:
+            if (fqn, number) in reads[rank]:
+                candidates[(plan.host or f"rank {rank}", fqn, number)].append(rank)
+                sizes[(fqn, number)] = nbytes
+    for plan in final:
+        plan.checks = []
+    for (_, fqn, number), ranks in sorted(candidates.items(), key=lambda kv: (
+            -sizes[kv[0][1:]], kv[0])):
+        checker = min(ranks, key=lambda r: (checked[r], r))
+        checked[checker] += sizes[(fqn, number)]
+        checks = final[checker].checks
+        assert checks is not None
+        checks.append((fqn, number))
 
 
 def _least_read(ranks: tuple[int, ...], read: list[int]) -> int:

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import dcp
-from dcp.core.boxes import byte_runs
+import random
+
+from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.read_cost import ReadCost
 from dcp.core.read_plan import Request, Run, coalesce, largest_gap, whole_chunk_cheaper
 from dcp.core.storage import open_storage
@@ -48,7 +50,9 @@ def test_rows_of_a_shard1_target_become_a_few_large_requests(cost):
     # every run lands once, in order, at its own position
     assert [r for q in requests for r in q.runs] == runs
     # the gaps are cheaper to read than to skip: read the chunk whole (and check it)
-    assert planner.read_whole_chunk(0, 512 * 4096 * 4, [(r.offset, r.length) for r in runs], cost)
+    extent = run_extent((512, 4096), (0, 1024), (512, 1024), 4)
+    assert extent == (4096, 511 * 16384 + 8192, 12288)
+    assert planner.read_whole_chunk(512 * 4096 * 4, [extent], cost)
 
 
 def test_gaps_dearer_than_a_request_are_skipped():
@@ -57,7 +61,8 @@ def test_gaps_dearer_than_a_request_are_skipped():
     requests = coalesce(runs, S3_COST)
     assert len(requests) == 4
     assert sum(r.length for r in requests) == sum(r.length for r in runs)  # 1.0x the bytes
-    assert not whole_chunk_cheaper(0, 16 << 20, [(r.offset, r.length) for r in runs], S3_COST)
+    extent = run_extent((4, 1 << 20), (0, 0), (4, 1 << 18), 4)
+    assert not whole_chunk_cheaper(16 << 20, [extent], S3_COST)
     # with no latency nothing is worth reading through: one request a run
     free = ReadCost(latency_s=0.0)
     assert len(coalesce(_column_runs(64, 256, 4, 0, 64), free)) == 64
@@ -77,12 +82,34 @@ def test_requests_are_capped_and_overlaps_kept_apart():
     assert largest_gap([Request(0, 10, (Run(0, 10, 0, 0),))]) == 0
 
 
-def test_whole_chunk_needs_cheap_ends_and_one_request():
+def test_whole_chunk_needs_cheap_gaps_ends_and_one_request():
     cost = ReadCost(latency_s=1e-3, bandwidth_bps=1e5, max_request_bytes=1000)  # 100-byte holes
-    assert whole_chunk_cheaper(0, 1000, [(100, 800)], cost)
-    assert not whole_chunk_cheaper(0, 1000, [(101, 799)], cost)  # leading gap too long
-    assert not whole_chunk_cheaper(0, 1000, [(0, 899)], cost)  # trailing gap too long
-    assert not whole_chunk_cheaper(0, 1001, [(0, 1001)], cost)  # more than one request
+    assert whole_chunk_cheaper(1000, [(100, 900, 100)], cost)
+    assert not whole_chunk_cheaper(1000, [(100, 900, 101)], cost)  # a gap inside too long
+    assert not whole_chunk_cheaper(1000, [(101, 1000, 0)], cost)  # leading gap too long
+    assert not whole_chunk_cheaper(1000, [(0, 899, 0)], cost)  # trailing gap too long
+    assert not whole_chunk_cheaper(1001, [(0, 1001, 0)], cost)  # more than one request
+    # two regions: the gap between them counts
+    assert whole_chunk_cheaper(1000, [(0, 400, 0), (500, 1000, 0)], cost)
+    assert not whole_chunk_cheaper(1000, [(0, 300, 0), (500, 1000, 0)], cost)
+
+
+def test_run_extent_matches_the_runs():
+    rng = random.Random(1)
+    for _ in range(2000):
+        ndim = rng.randint(1, 4)
+        chunk = [rng.randint(1, 5) for _ in range(ndim)]
+        rel = [rng.randint(0, c - 1) for c in chunk]
+        sizes = [rng.randint(0, c - r) for c, r in zip(chunk, rel, strict=True)]
+        itemsize = rng.choice([1, 2, 4, 8])
+        extent = run_extent(chunk, rel, sizes, itemsize)
+        if not all(sizes):
+            assert extent is None, (chunk, rel, sizes)
+            continue
+        runs = list(byte_runs(chunk, rel, sizes, itemsize))
+        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(runs, runs[1:], strict=False)]
+        assert extent == (runs[0][0], runs[-1][0] + runs[-1][1], max(gaps, default=0))
+    assert run_extent((), (), (), 2) == (0, 2, 0)
 
 
 def test_read_cost_is_overridden_through_storage_options(tmp_path):

@@ -66,3 +66,32 @@ def byte_runs(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
     outer = [range(n) for n in sizes[:k]]
     for idx in itertools.product(*outer):
         yield base + sum(i * s for i, s in zip(idx, strides, strict=False)), run
+
+
+def run_extent(chunk_sizes: Sequence[int], rel_offsets: Sequence[int], sizes: Sequence[int],
+               itemsize: int) -> tuple[int, int, int] | None:
+    """Where the byte runs of a sub-box lie inside its chunk, without listing
+    them: ``(start, end, gap)`` — the first byte, the byte after the last,
+    and the longest gap between two consecutive runs (bytes, chunk-relative;
+    arguments as for :func:`byte_runs`).  ``None`` for an empty sub-box."""
+    ndim = len(chunk_sizes)
+    if ndim == 0:
+        return 0, itemsize, 0
+    if not volume(sizes):
+        return None
+    strides = [itemsize] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+    k = ndim - 1
+    while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
+        k -= 1
+    run = sizes[k] * strides[k]
+    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
+    last = base + sum((sizes[d] - 1) * strides[d] for d in range(k))
+    gap = 0
+    wrapped = 0  # bytes that the dimensions inside d travel before wrapping to 0
+    for d in range(k - 1, -1, -1):
+        if sizes[d] > 1:
+            gap = max(gap, strides[d] - wrapped - run)
+        wrapped += (sizes[d] - 1) * strides[d]
+    return base, last + run, gap

@@ -142,6 +142,15 @@ class LoadPlan:
     on every rank) says, per replica group ``ranks``, which path its regions
     took and how many bytes went each way: ``(ranks, path, nbytes)``.
 
+    ``whole_chunks`` (local plans) lists the chunks ``(fqn, chunk, nbytes)``
+    this rank reads whole for a part of them; ``checks`` (final plans), on
+    storage whose cache the host shares, the chunks whose CRC-32C this rank
+    checks for its host: a chunk read whole by several ranks of one host is
+    checked once, by one of them, on the same cached bytes.  ``None``: no
+    such designation, every rank checks every chunk it reads whole.
+    ``host_ranks`` (final plans): how many ranks of the load share this
+    rank's host (they share its cores when reading from its page cache).
+
     Set by the loader on local plans: ``host`` names the rank's host (ranks
     with the same non-empty ``host`` share its page cache and shared
     memory); ``shared_memory`` whether the rank can receive through host
@@ -157,6 +166,9 @@ class LoadPlan:
     groups: list[tuple[int, ...]] = field(default_factory=list)
     cached: list[ReadItem] = field(default_factory=list)
     paths: list[tuple[tuple[int, ...], str, int]] = field(default_factory=list)
+    host_ranks: int = 1
+    whole_chunks: list[tuple[str, int, int]] = field(default_factory=list)
+    checks: list[tuple[str, int]] | None = None
     host: str = ""
     shared_memory: bool = False
     shared_cache: bool = False
@@ -182,13 +194,14 @@ class LoadPlanner(abc.ABC):
         final plans.  The default keeps each rank's own reads."""
         return plans
 
-    def read_whole_chunk(self, chunk_offset: int, chunk_nbytes: int,
-                         runs: list[tuple[int, int]], cost: ReadCost) -> bool:
-        """Runs on every rank, per chunk of which it needs only ``runs``
-        (``(file offset, length)`` pairs): whether to read the chunk whole
-        (and check its CRC-32C).  The default:
-        :func:`dcp.core.read_plan.whole_chunk_cheaper`."""
-        return read_plan.whole_chunk_cheaper(chunk_offset, chunk_nbytes, runs, cost)
+    def read_whole_chunk(self, chunk_nbytes: int, extents: list[tuple[int, int, int]],
+                         cost: ReadCost) -> bool:
+        """Runs on every rank, per chunk of which it needs only some regions,
+        whose byte runs lie at ``extents`` (chunk-relative ``(start, end,
+        longest gap)`` per region, :func:`dcp.core.boxes.run_extent`):
+        whether to read the chunk whole (and check its CRC-32C).  The
+        default: :func:`dcp.core.read_plan.whole_chunk_cheaper`."""
+        return read_plan.whole_chunk_cheaper(chunk_nbytes, extents, cost)
 
     def create_requests(self, runs: list[read_plan.Run],
                         cost: ReadCost) -> list[read_plan.Request]:

@@ -57,20 +57,23 @@ class Request:
         return sum(r.length for r in self.runs)
 
 
-def whole_chunk_cheaper(chunk_offset: int, chunk_nbytes: int,
-                        runs: Iterable[tuple[int, int]], cost: ReadCost) -> bool:
-    """Whether reading the chunk at ``chunk_offset`` (``chunk_nbytes`` long)
-    whole costs no more requests than reading only ``runs`` (``(offset,
-    length)`` pairs inside it, file offsets): one request, and no gap of
-    more than ``cost.hole_bytes`` between the runs or at either end."""
+def whole_chunk_cheaper(chunk_nbytes: int, extents: Iterable[tuple[int, int, int]],
+                        cost: ReadCost) -> bool:
+    """Whether reading a chunk of ``chunk_nbytes`` whole costs no more
+    requests than reading only the byte runs it is needed for: one request,
+    and no gap of more than ``cost.hole_bytes`` between the runs or at
+    either end.  ``extents`` describe the runs of each needed region,
+    chunk-relative (:func:`dcp.core.boxes.run_extent`: first byte, end, the
+    longest gap between its runs); regions that interleave count as if they
+    did not (a gap can only shrink)."""
     if chunk_nbytes > cost.max_request_bytes:
         return False
-    pos = chunk_offset
-    for offset, length in sorted(runs):
-        if offset - pos > cost.hole_bytes:
+    hole, pos = cost.hole_bytes, 0
+    for start, end, gap in sorted(extents):
+        if gap > hole or start - pos > hole:
             return False
-        pos = max(pos, offset + length)
-    return chunk_offset + chunk_nbytes - pos <= cost.hole_bytes
+        pos = max(pos, end)
+    return chunk_nbytes - pos <= hole
 
 
 def _cut(runs: Iterable[Run], limit: int) -> list[Run]:

@@ -182,6 +182,16 @@ def flat_bytes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """An uninitialized flat uint8 host tensor of ``nbytes``."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` (never a view of its memory)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def zeros_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """A flat uint8 tensor of ``nbytes`` zeros on ``device``."""
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)

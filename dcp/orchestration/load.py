@@ -29,6 +29,7 @@ nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import threading
 import uuid
@@ -40,7 +41,7 @@ from typing import Any
 from dcp.orchestration import pending
 
 from dcp.core import tensors
-from dcp.core.boxes import byte_runs
+from dcp.core.boxes import byte_runs, run_extent
 from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination.collectives import Coordinator
 from dcp.errors import CheckpointError, CorruptCheckpointError
@@ -57,20 +58,20 @@ from dcp.core.storage import StoragePlugin, open_storage
 
 @dataclass
 class _Sink:
-    """A buffer that storage reads fill: the bytes of one region
-    (``items`` holds its one index), or of a whole chunk read for the regions
-    ``items`` of it.  ``buf`` is the host tensor (the target's own memory
-    when ``direct``), ``view`` its bytes; ``check``: verify the chunk's
-    CRC-32C on ``view``."""
+    """A buffer that storage reads fill: the bytes of one region (``items``
+    holds its one index), or of the whole ``chunk``, read for its regions
+    ``items``.  ``buf``: the target's own memory when ``direct``, else a
+    tensor in staging memory, laid out per wave; ``check``: verify the
+    chunk's CRC-32C on it."""
 
     chunk: ChunkMeta
+    dtype: str
     items: list[int]
+    nbytes: int
     buf: Any
-    view: memoryview
     check: bool
     direct: bool
     whole_chunk: bool
-
 
 @dataclass
 class LoadReport:
@@ -148,6 +149,9 @@ class _Load:
         self.objects: list[str] = []
         self.metadata: Metadata | None = None
         self.exchange: HostExchange | None = None
+        #: chunks this rank checks for its host (None: every chunk it reads whole)
+        self.checks: set[tuple[str, int]] | None = None
+        self.staging = threading.local()
 
     def local_plan(self) -> LoadPlan:
         self.leaves = flatten(self.state_dict, tensors.is_tensor)
@@ -168,23 +172,32 @@ class _Load:
         plan.shared_memory = (self.exchange is not None and bool(plan.host)
                               and comm_device(self.coord.group).type == "cpu")
         plan.shared_cache = self.storage.read_cost.shared_cache
+        by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
+        for item in plan.items:
+            by_chunk[(item.fqn, item.chunk)].append(item)
+        plan.whole_chunks = [
+            (fqn, number, self.metadata.tensors[fqn].chunks[number].nbytes)
+            for (fqn, number), items in by_chunk.items() if self._whole_chunk(fqn, number, items)]
         return plan
 
     def read(self, plan: LoadPlan) -> None:
         """Read this rank's items and run its transfers."""
         me = self.coord.rank
-        with ThreadPoolExecutor(max(1, self.storage.thread_count)) as pool:
+        self.checks = None if plan.checks is None else set(plan.checks)
+        sourced = [t for t in plan.transfers if t.src == me]
+        keep = {i for t in sourced for i in t.items}
+        with ThreadPoolExecutor(self._read_threads(plan)) as pool:
             # reads feeding transfers first, in the order the transfers run,
             # one read call per transfer and file; then the rank's own
             # regions; last those another rank of the host pulls into the
             # page cache
             reads: dict[ReadItem, tuple[Future, int]] = {}
             futures = []
-            batches = [(t.items, False) for t in plan.transfers if t.src == me]
+            batches = [(t.items, False) for t in sourced]
             for items, cached in [*batches, (plan.items, False), (plan.cached, True)]:
                 todo = [i for i in dict.fromkeys(items) if i not in reads]
                 for name, group in self._by_file(todo).items():
-                    futures.append(pool.submit(self._read_file, name, group, cached))
+                    futures.append(pool.submit(self._read_file, name, group, cached, keep))
                     reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
             if plan.transfers:
                 self._run_transfers(plan, reads)
@@ -192,11 +205,29 @@ class _Load:
                 future.result()
         self._load_objects()
 
+    def _read_threads(self, plan: LoadPlan) -> int:
+        """Files read at once: the plugin's ``thread_count``; from a cache the
+        host shares (reads that are memory copies, CPU-bound), at most this
+        rank's share of the host's cores."""
+        threads = max(1, self.storage.thread_count)
+        if self.storage.read_cost.shared_cache:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+            threads = min(threads, max(1, cores // plan.host_ranks))
+        return threads
+
     def _by_file(self, items) -> dict[str, list[ReadItem]]:
+        """``items`` by data file, the files in an order that starts at this
+        rank's share of them: ranks that read the same files (a resharded
+        load, or the page cache path) start on different ones, so the
+        storage serves them in parallel and each file is cold for one rank
+        only."""
         by_file: dict[str, list[ReadItem]] = defaultdict(list)
         for item in items:
             by_file[self.metadata.tensors[item.fqn].chunks[item.chunk].file].append(item)
-        return by_file
+        names = sorted(by_file)
+        start = len(names) * self.coord.rank // self.coord.world_size
+        return {name: by_file[name] for name in names[start:] + names[:start]}
 
     @staticmethod
     def _region(reads: dict, item: ReadItem):
@@ -292,114 +323,149 @@ class _Load:
         return tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
                               item.sizes)
 
-    def _read_file(self, name: str, items: list[ReadItem], cached: bool) -> list:
+    def _read_file(self, name: str, items: list[ReadItem], cached: bool,
+                   keep: set[ReadItem]) -> list:
         """Read regions of one file into their targets, in few large
-        requests; returns, per region, a host tensor of the saved dtype
-        holding it (the target's own memory when it could be read in place).
+        requests; returns, per region of ``keep`` (those this rank sends on),
+        a host tensor of the saved dtype holding it (the target's own memory
+        where it was read in place).
 
-        The regions go in waves of about ``max_inflight_bytes`` of buffers;
-        per wave, the load planner decides which chunks to read whole
-        (checking their CRC-32C) and coalesces the byte runs into requests
-        by the storage's read cost, and the storage reads them with one
-        ``read_requests`` call."""
+        The regions go in waves of at most about one request's worth of
+        buffers, laid out in this thread's reused staging memory; per wave,
+        the load planner decides which chunks to read whole and coalesces
+        the byte runs into requests by the storage's read cost, and the
+        storage reads them with one ``read_requests`` call.  ``cached``: the
+        regions are in the host's shared cache, pulled (and checked) by
+        another rank."""
+        cost = self.storage.read_cost
+        budget = min(self.max_inflight_bytes, max(cost.max_request_bytes, 32 << 20))
         by_chunk: dict[tuple[str, int], list[int]] = defaultdict(list)
         for k, item in enumerate(items):
             by_chunk[(item.fqn, item.chunk)].append(k)
         out: list = [None] * len(items)
         wave: list[_Sink] = []
-        runs: list[read_plan.Run] = []
         held = 0
         for (fqn, number), indices in by_chunk.items():
-            sinks = self._sinks(fqn, number, [items[k] for k in indices], indices)
-            for sink in sinks:
-                runs.extend(self._runs(sink, items, len(wave)))
-                wave.append(sink)
-                held += 0 if sink.direct else len(sink.view)
-            if held >= self.max_inflight_bytes:
-                self._read_wave(name, items, wave, runs, cached, out)
-                wave, runs, held = [], [], 0
+            sinks = self._sinks(fqn, number, items, indices, cached)
+            need = sum(s.nbytes for s in sinks if not s.direct)
+            if wave and held + need > budget:
+                self._read_wave(name, items, wave, cached, keep, out)
+                wave, held = [], 0
+            wave += sinks
+            held += need
         if wave:
-            self._read_wave(name, items, wave, runs, cached, out)
+            self._read_wave(name, items, wave, cached, keep, out)
         return out
 
-    def _sinks(self, fqn: str, number: int, items: list[ReadItem],
-               indices: list[int]) -> list[_Sink]:
-        """Where the regions ``items`` of chunk ``number`` of ``fqn`` are read
-        to: the whole chunk into one buffer (with ``verify="all"``, or where
-        the planner finds it no dearer), else each region straight into its
-        target when the layout allows, or into a host buffer."""
+    def _whole_chunk(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
+        """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
+        regions ``items`` of it: with ``verify="all"`` when they do not cover
+        it, else where the load planner finds it no dearer than their runs."""
         saved = self.metadata.tensors[fqn]
         chunk = saved.chunks[number]
-        itemsize = DTYPE_ITEMSIZE[saved.dtype]
         partial = [i for i in items if i.sizes != chunk.sizes]
-        whole = False
-        if partial and self.verify == "all":
-            # the chunk's last byte first: crafted metadata declaring a huge
-            # chunk fails here, before a buffer of its size is allocated
-            self._fetch(fqn, chunk, chunk.last_byte())
-            whole = True
-        elif partial and self.verify == "chunks":
-            runs = [(chunk.byte_offset + start, length) for i in partial
-                    for start, length in self._byte_runs(chunk, i, itemsize)]
-            whole = self.planner.read_whole_chunk(chunk.byte_offset, chunk.nbytes, runs,
-                                                  self.storage.read_cost)
-        if whole:
-            buf = tensors.empty_host(chunk.sizes, saved.dtype)
-            return [_Sink(chunk, indices, buf, tensors.byte_view(buf), True, False, True)]
+        if not partial:
+            return False
+        if self.verify == "all":
+            return True
+        itemsize = DTYPE_ITEMSIZE[saved.dtype]
+        extents = []
+        for item in partial:
+            rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+            extent = run_extent(chunk.sizes, rel, item.sizes, itemsize)
+            if extent is not None:
+                extents.append(extent)
+        return self.planner.read_whole_chunk(chunk.nbytes, extents, self.storage.read_cost)
+
+    def _sinks(self, fqn: str, number: int, items: list[ReadItem], indices: list[int],
+               cached: bool) -> list[_Sink]:
+        """Where the regions ``items[k]`` (``k`` in ``indices``) of chunk
+        ``number`` of ``fqn`` are read to: the whole chunk into one buffer,
+        else each region straight into its target when the layout allows,
+        or into a buffer.  Checked: reads of a whole chunk, unless the host's
+        shared cache is checked by another rank (:attr:`LoadPlan.checks`)."""
+        saved = self.metadata.tensors[fqn]
+        chunk = saved.chunks[number]
+        key = (fqn, number)
+        checks = self.checks
+        designated = checks is not None and key in checks
+        if designated or self._whole_chunk(fqn, number, [items[k] for k in indices]):
+            if self.verify == "all":
+                # the chunk's last byte first: crafted metadata declaring a huge
+                # chunk fails here, before a buffer of its size is allocated
+                self._fetch(fqn, chunk, chunk.last_byte())
+            check = self.verify != "none" and (checks is None or designated)
+            return [_Sink(chunk, saved.dtype, indices, chunk.nbytes, None, check, False, True)]
         sinks = []
-        for k, item in zip(indices, items, strict=True):
+        for k in indices:
+            item = items[k]
             dest = self._target_region(item)
             direct = tensors.is_direct_target(dest, saved.dtype)
-            buf = dest if direct else tensors.empty_host(item.sizes, saved.dtype)
-            check = item.sizes == chunk.sizes and self.verify != "none"
-            sinks.append(_Sink(chunk, [k], buf, tensors.byte_view(buf), check, direct, False))
+            check = item.sizes == chunk.sizes and self.verify != "none" and not cached
+            sinks.append(_Sink(chunk, saved.dtype, [k], item.nbytes, dest if direct else None,
+                               check, direct, False))
         return sinks
 
-    @staticmethod
-    def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):
-        rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
-        return byte_runs(chunk.sizes, rel, item.sizes, itemsize)
-
-    def _runs(self, sink: _Sink, items: list[ReadItem], number: int) -> list[read_plan.Run]:
-        """The file byte runs that fill sink number ``number``."""
-        chunk = sink.chunk
-        if sink.whole_chunk:
-            return [read_plan.Run(chunk.byte_offset, chunk.nbytes, number, 0)]
-        itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[items[sink.items[0]].fqn].dtype]
-        runs, pos = [], 0
-        for start, length in self._byte_runs(chunk, items[sink.items[0]], itemsize):
-            runs.append(read_plan.Run(chunk.byte_offset + start, length, number, pos))
-            pos += length
+    def _runs(self, sinks: list[_Sink], items: list[ReadItem]) -> list[read_plan.Run]:
+        """The file byte runs that fill ``sinks`` (numbered by position)."""
+        runs = []
+        for number, sink in enumerate(sinks):
+            chunk = sink.chunk
+            if sink.whole_chunk:
+                runs.append(read_plan.Run(chunk.byte_offset, chunk.nbytes, number, 0))
+                continue
+            pos = 0
+            for start, length in _byte_runs(chunk, items[sink.items[0]],
+                                            DTYPE_ITEMSIZE[sink.dtype]):
+                runs.append(read_plan.Run(chunk.byte_offset + start, length, number, pos))
+                pos += length
         return runs
 
-    def _read_wave(self, name: str, items: list[ReadItem], sinks: list[_Sink],
-                   runs: list[read_plan.Run], cached: bool, out: list) -> None:
-        """Read ``runs`` into ``sinks`` with the planner's requests, then
-        verify and copy into the targets, filling ``out`` per region."""
+    def _staging(self, nbytes: int):
+        """This thread's reused staging memory, at least ``nbytes`` long."""
+        buf = getattr(self.staging, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.staging.buf = tensors.empty_bytes(nbytes)
+        return buf
+
+    def _read_wave(self, name: str, items: list[ReadItem], sinks: list[_Sink], cached: bool,
+                   keep: set[ReadItem], out: list) -> None:
+        """Read ``sinks`` with the planner's requests, then verify and copy
+        into the targets, filling ``out`` for the regions of ``keep``."""
+        staged = [s for s in sinks if not s.direct]
+        offsets = [0]
+        for sink in staged:
+            offsets.append(offsets[-1] + -(-sink.nbytes // 64) * 64)  # 64-byte aligned
+        staging = self._staging(offsets[-1])
+        for sink, pos in zip(staged, offsets, strict=False):
+            shape = sink.chunk.sizes if sink.whole_chunk else items[sink.items[0]].sizes
+            sink.buf = tensors.from_bytes(staging[pos:pos + sink.nbytes], sink.dtype, shape)
+        views = [tensors.byte_view(s.buf) for s in sinks]
+        runs = self._runs(sinks, items)
         requests = self.planner.create_requests(runs, self.storage.read_cost)
         scratch = memoryview(bytearray(read_plan.largest_gap(requests)))
         calls = []
         for request in requests:
-            views, pos = [], request.offset
+            parts, pos = [], request.offset
             for run in request.runs:
                 if run.offset > pos:
-                    views.append(scratch[:run.offset - pos])
-                views.append(sinks[run.sink].view[run.pos:run.pos + run.length])
+                    parts.append(scratch[:run.offset - pos])
+                parts.append(views[run.sink][run.pos:run.pos + run.length])
                 pos = run.offset + run.length
-            calls.append((request.offset, views))
+            calls.append((request.offset, parts))
         try:
             self.storage.read_requests(name, calls)
         except Exception:  # find the region at fault, to name it
-            for sink in sinks:
-                ranges = [(r.offset, sink.view[r.pos:r.pos + r.length])
-                          for r in runs if sinks[r.sink] is sink]
+            for number, sink in enumerate(sinks):
+                ranges = [(r.offset, views[number][r.pos:r.pos + r.length])
+                          for r in runs if r.sink == number]
                 self._fetch(items[sink.items[0]].fqn, sink.chunk, ranges)
             raise
         with self.lock:
             self.counts[cached][0] += sum(r.length for r in requests)
             self.counts[cached][1] += len(requests)
-        for sink in sinks:
-            self._finish(sink, items, out)
+        for sink, view in zip(sinks, views, strict=True):
+            self._finish(sink, view, items, keep, out)
 
     def _fetch(self, fqn: str, chunk, ranges) -> None:
         try:
@@ -409,12 +475,14 @@ class _Load:
                 f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                 f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
 
-    def _finish(self, sink: _Sink, items: list[ReadItem], out: list) -> None:
+    def _finish(self, sink: _Sink, view: memoryview, items: list[ReadItem],
+                keep: set[ReadItem], out: list) -> None:
         """Verify the CRC-32C if due, then copy into the targets; ``out[k]``
-        becomes the host tensor holding region ``k``."""
+        becomes the host tensor holding region ``k`` if this rank sends it
+        on."""
         chunk = sink.chunk
         fqn = items[sink.items[0]].fqn
-        if sink.check and chunk.checksum is not None and checksum(sink.view) != chunk.checksum:
+        if sink.check and chunk.checksum is not None and checksum(view) != chunk.checksum:
             raise CorruptCheckpointError(
                 f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                 f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
@@ -427,9 +495,10 @@ class _Load:
             buf = sink.buf
             if sink.whole_chunk:
                 rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
-                buf = tensors.region(buf, rel, item.sizes).contiguous()
+                buf = tensors.region(buf, rel, item.sizes)
             tensors.copy_into(self._target_region(item), buf)
-            out[k] = buf
+            if item in keep:  # the staging memory is reused: keep a copy to send
+                out[k] = tensors.contiguous_copy(buf)
 
     def _load_objects(self) -> None:
         for fqn in self.objects:
@@ -472,6 +541,12 @@ class _Load:
         (read, requests), (cached, cache_requests) = self.counts[False], self.counts[True]
         return LoadReport(plan.missing_keys, plan.unexpected_keys, read, requests, cached,
                           cache_requests, plan.paths)
+
+
+def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):
+    """The byte runs of region ``item`` inside ``chunk`` (chunk-relative)."""
+    rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+    return byte_runs(chunk.sizes, rel, item.sizes, itemsize)
 
 
 def _key(transfer: Transfer) -> str:
