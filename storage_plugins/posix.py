@@ -35,19 +35,27 @@ which replicas on one host share: :attr:`ReadCost.shared_cache`), one
 system call per coalesced request, its gap bytes landing in a scratch view.
 Read cost: 0.1 ms to the first byte of a cold local disk and 2 GB/s, so
 gaps up to 200 KB are read through (a Shard(0) -> Shard(1) load reads whole
-chunks in a few calls instead of one per row).  Commit is the classic atomic publish: temporary file,
-``fsync``, ``rename`` (or ``link`` when the name must not exist yet), then
-``fsync`` of the directory so the new name survives a power loss.
+chunks in a few calls instead of one per row).  A chunk a rank needs only a
+part of, and whose gaps are cheap, is not read into a buffer at all: the
+load maps the file (:meth:`mapped`) and copies the part it needs straight
+from the page cache into its target, so the ranks of a host that share a
+chunk each pay one memory copy of their own part.
+
+Commit is the classic atomic publish: temporary file, ``fsync``,
+``rename`` (or ``link`` when the name must not exist yet), then ``fsync``
+of the directory so the new name survives a power loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import mmap
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from dcp.core.read_cost import ReadCost
 from dcp.core.storage import StoragePlugin
@@ -175,6 +183,28 @@ class PosixStorage(StoragePlugin):
                 _preadv_all(fd, [memoryview(v).cast("B") for v in views], offset, path)
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def mapped(self, name: str) -> Iterator[memoryview | None]:
+        fd = os.open(self._path(name), os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            # private (copy-on-write) mapping: reads share the page cache,
+            # and nothing written to it reaches the file
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+        finally:
+            os.close(fd)
+        if mapping is None:
+            yield memoryview(bytearray())
+            return
+        view = memoryview(mapping)
+        try:
+            yield view
+        finally:
+            # a view of it still alive (held by a traceback): it closes when collected
+            with contextlib.suppress(BufferError):
+                view.release()
+                mapping.close()
 
     def read_file(self, name: str) -> bytes:
         return self._path(name).read_bytes()

@@ -172,6 +172,34 @@ def test_two_hosts_s3_read_once_shared_memory_within_broadcast_across(ctx):
     assert got[0] + got[1] == 4 * md.stored_bytes - 2 * sharded, got
 
 
+@dist_scenario(world_size=4)
+def test_a_chunk_read_whole_by_a_host_is_checked_once_and_fails_everywhere(ctx):
+    """Saved Shard(0), loaded Shard(1): every rank of the host needs a part
+    of every chunk; one of them checks each chunk's CRC-32C for all.  A
+    flipped byte fails the load on every rank, naming the tensor."""
+    mesh = init_device_mesh("cpu", (4,))
+    full = {f"w{i}": random_tensor((64, 32), torch.float32, seed=40 + i) for i in range(3)}
+    ckpt = ctx.dir / "ckpt"
+    md = dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, str(ckpt))
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}
+    report = dcp.load(target, str(ckpt))
+    for k, v in full.items():
+        assert_dtensor_equals_full(target[k], v, k)
+    ctx.barrier()
+    if ctx.rank == 0:
+        chunk = md.tensors["w1"].chunks[2]
+        path = ckpt / chunk.file
+        data = bytearray(path.read_bytes())
+        data[chunk.byte_offset + chunk.nbytes - 1] ^= 0x01
+        path.write_bytes(bytes(data))
+    ctx.barrier()
+    with pytest.raises(dcp.CheckpointError, match=r"'w1'.*checksum mismatch"):
+        dcp.load(target, str(ckpt))
+    # unchecked, the bytes load: each rank copies only its own columns
+    report = dcp.load(target, str(ckpt), verify="none")
+    assert report.requests == len(md.tensors) * 4  # one mapped chunk each
+
+
 class _FailingPosix(PosixStorage):
     def __init__(self, path, fail_rank):
         super().__init__(path)

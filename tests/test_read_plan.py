@@ -183,3 +183,28 @@ def test_a_chunk_read_whole_is_verified_for_a_part(tmp_path):
         dcp.load(target, str(tmp_path / "c"))
     dcp.load(target, str(tmp_path / "c"), verify="none")
     assert_bitwise_equal(target["w"].data, full["w"][:, :8], "w")
+
+
+def test_a_truncated_file_is_named_not_a_crash(tmp_path):
+    """The part of a chunk is copied out of the mapped file: a file shorter
+    than its chunks must raise, not fault."""
+    full = {"w": _full(torch.float32, (64, 32), 3)}
+    md = dcp.save(full, str(tmp_path / "c"))
+    chunk = md.tensors["w"].chunks[0]
+    path = tmp_path / "c" / chunk.file
+    path.write_bytes(path.read_bytes()[:chunk.byte_offset + chunk.nbytes - 1])
+    target = {"w": dcp.TensorShard(torch.zeros(64, 8), (64, 32), (0, 8))}
+    for verify in ("chunks", "none"):
+        with pytest.raises(dcp.CorruptCheckpointError, match=f"'w'.*{chunk.file}.*truncated"):
+            dcp.load(target, str(tmp_path / "c"), verify=verify)
+
+
+def test_a_cast_copies_straight_from_the_cache(tmp_path):
+    full = {"w": _full(torch.bfloat16, (40, 24), 4), "i": _full(torch.int64, (7, 9), 5)}
+    dcp.save(full, str(tmp_path / "c"))
+    target = {"w": dcp.TensorShard(torch.zeros(40, 5), (40, 24), (0, 19)),
+              "i": torch.zeros(7, 9, dtype=torch.float64)}
+    report = dcp.load(target, str(tmp_path / "c"), allow_dtype_cast=True)
+    assert_bitwise_equal(target["w"].data, full["w"][:, 19:].float(), "w")
+    assert_bitwise_equal(target["i"], full["i"].double(), "i")
+    assert report.requests == 2

@@ -15,10 +15,14 @@ into a :class:`~dcp.errors.CheckpointError` naming the rank and file.
 from __future__ import annotations
 
 import abc
+import contextlib
+import difflib
 import functools
+import os
+import re
 import struct
+from collections.abc import Iterable, Iterator, Sequence
 from importlib.metadata import entry_points
-from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
 import fsspec
@@ -132,6 +136,17 @@ class StoragePlugin(abc.ABC):
                 view[:] = buf[pos:pos + len(view)]
                 pos += len(view)
 
+    @contextlib.contextmanager
+    def mapped(self, name: str) -> Iterator[memoryview | None]:
+        """The bytes of the whole file ``name`` as memory shared with the
+        storage's cache (a memory mapping of the page cache), valid inside
+        the context only, or ``None`` where the plugin has no such view (the
+        default).  A load copies the parts of chunks it needs straight out of
+        it: one memory copy, no read into a buffer first.  The view is
+        writable but writing to it never changes the file.  Raises if the
+        file is missing."""
+        yield None
+
     @abc.abstractmethod
     def read_file(self, name: str) -> bytes:
         """The whole file ``name``; ``FileNotFoundError`` if there is none."""
@@ -180,9 +195,85 @@ class StoragePlugin(abc.ABC):
         return payload
 
 
+def checkpoint_uri(checkpoint_id: str) -> str:
+    """``checkpoint_id`` as the plugins get it, or :class:`CheckpointError`
+    if it looks like a mistyped URI.  Every entry point (the API, the command
+    line, the plugins that wrap others) reaches a plugin through
+    :func:`open_storage`, which calls this, so an id means the same
+    everywhere.
+
+    Normalised: a path starting with ``~`` is expanded; ``file:///abs``,
+    ``file://localhost/abs`` and ``file:/abs`` become ``/abs``.  Refused,
+    naming what was probably meant, because each would otherwise write to a
+    relative local folder (node-local disk, on a cluster): one slash
+    (``s3:/bucket``), no colon (``s3//bucket``), a host-less ``file://tmp/x``
+    (``file://`` names a host; three slashes start an absolute path), and an
+    unknown scheme close to an installed one (``S3://``, ``s4://``, ``fiel://``).
+    """
+    uri = str(checkpoint_id)
+    if not uri:
+        raise CheckpointError("the checkpoint id is empty: pass a path or a URI")
+    if uri.startswith("~"):
+        return os.path.expanduser(uri)
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(:/?(?!/)|//|://)(.*)", uri, re.S)
+    if match is None:
+        return uri
+    scheme, sep, rest = match.groups()
+    known = _known_schemes()
+    if sep == "://":
+        if scheme == "file":
+            host, slash, path = rest.partition("/")
+            if host in ("", "localhost"):
+                return "/" + path
+            raise CheckpointError(
+                f"checkpoint id {uri!r}: a file:// URI names a host ({host!r}) before its path; "
+                f"an absolute path takes three slashes: did you mean 'file:///{rest}' (or the "
+                f"plain path '/{rest}')?")
+        if scheme in known:
+            return uri
+        meant = _meant_scheme(scheme, known)
+        if meant is not None:
+            raise CheckpointError(
+                f"checkpoint id {uri!r}: unknown scheme {scheme!r}; did you mean "
+                f"'{meant}://{rest}'? (schemes are lowercase; installed plugins: "
+                f"{', '.join(sorted(installed_schemes()))})")
+        return uri  # open_storage names the missing plugin
+    meant = scheme.lower() if scheme.lower() in known else _meant_scheme(scheme, known)
+    if meant is None:
+        return uri  # a relative path such as "run:1/ckpt"
+    if sep == ":/" and meant == "file":
+        return "/" + rest
+    if sep == ":" and meant == "file":
+        return uri
+    raise CheckpointError(
+        f"checkpoint id {uri!r} looks like a mistyped {meant}:// URI (it would be a relative "
+        f"local folder); did you mean '{meant}://{rest.lstrip('/')}'? Write './{uri}' for a "
+        f"local folder of that name")
+
+
+def _known_schemes() -> set[str]:
+    """The schemes an id may use: the installed plugins' and fsspec's."""
+    return set(installed_schemes()) | set(fsspec.available_protocols())
+
+
+def _meant_scheme(scheme: str, known: set[str]) -> str | None:
+    """The known scheme ``scheme`` is a near-miss of (another case, a typo),
+    the installed plugins' first, or ``None``."""
+    lower = scheme.lower()
+    if lower in known:
+        return lower
+    for pool in (sorted(installed_schemes()), sorted(known)):
+        close = difflib.get_close_matches(lower, pool, n=1, cutoff=0.6)
+        if close and (len(lower) > 2 or close[0][:1] == lower[:1]):
+            return close[0]
+    return None
+
+
 def scheme_of(checkpoint_id: str) -> str:
-    """The URI scheme of a checkpoint id; ``file`` for a plain path."""
-    scheme = urlsplit(checkpoint_id).scheme if "://" in checkpoint_id else ""
+    """The URI scheme of a checkpoint id (after :func:`checkpoint_uri`);
+    ``file`` for a plain path."""
+    uri = checkpoint_uri(checkpoint_id)
+    scheme = urlsplit(uri).scheme if "://" in uri else ""
     return scheme or "file"
 
 
@@ -194,7 +285,8 @@ def installed_schemes() -> dict[str, object]:
 
 
 def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
-    """Instantiate the plugin registered for ``checkpoint_id``'s scheme.
+    """Instantiate the plugin registered for ``checkpoint_id``'s scheme
+    (the id normalised, or refused, by :func:`checkpoint_uri`).
 
     A scheme without a plugin of its own that fsspec knows (``gs``, ``abfs``,
     ...) goes to the plugin registered under the name ``fsspec``, the
@@ -203,7 +295,8 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     install, and for options the plugin refuses (an unknown name, a bad
     value), naming them.
     """
-    scheme = scheme_of(str(checkpoint_id))
+    checkpoint_id = checkpoint_uri(checkpoint_id)
+    scheme = scheme_of(checkpoint_id)
     plugins = installed_schemes()
     if scheme not in plugins and FSSPEC_FALLBACK in plugins and scheme in fsspec.available_protocols():
         scheme = FSSPEC_FALLBACK

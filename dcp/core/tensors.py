@@ -182,6 +182,12 @@ def flat_bytes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
+def bytes_of(view: memoryview) -> torch.Tensor:
+    """A flat uint8 host tensor over the writable bytes ``view`` (no copy)."""
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(
+        0, dtype=torch.uint8)
+
+
 def empty_bytes(nbytes: int) -> torch.Tensor:
     """An uninitialized flat uint8 host tensor of ``nbytes``."""
     return torch.empty(nbytes, dtype=torch.uint8)

@@ -28,6 +28,7 @@ nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -343,19 +344,51 @@ class _Load:
         for k, item in enumerate(items):
             by_chunk[(item.fqn, item.chunk)].append(k)
         out: list = [None] * len(items)
-        wave: list[_Sink] = []
-        held = 0
-        for (fqn, number), indices in by_chunk.items():
-            sinks = self._sinks(fqn, number, items, indices, cached)
-            need = sum(s.nbytes for s in sinks if not s.direct)
-            if wave and held + need > budget:
+        with contextlib.ExitStack() as stack:
+            # from a cache the host shares, chunks read whole are mapped, not read
+            mapping = stack.enter_context(self.storage.mapped(name)) if cost.shared_cache else None
+            wave: list[_Sink] = []
+            held = 0
+            for (fqn, number), indices in by_chunk.items():
+                sinks = self._sinks(fqn, number, items, indices, cached)
+                if mapping is not None and any(s.whole_chunk or not s.direct for s in sinks):
+                    self._from_mapping(name, mapping, fqn, number, items, indices, sinks,
+                                       cached, keep, out)
+                    continue
+                need = sum(s.nbytes for s in sinks if not s.direct)
+                if wave and held + need > budget:
+                    self._read_wave(name, items, wave, cached, keep, out)
+                    wave, held = [], 0
+                wave += sinks
+                held += need
+            if wave:
                 self._read_wave(name, items, wave, cached, keep, out)
-                wave, held = [], 0
-            wave += sinks
-            held += need
-        if wave:
-            self._read_wave(name, items, wave, cached, keep, out)
         return out
+
+    def _from_mapping(self, name: str, mapping: memoryview, fqn: str, number: int,
+                      items: list[ReadItem], indices: list[int], sinks: list[_Sink],
+                      cached: bool, keep: set[ReadItem], out: list) -> None:
+        """Copy the regions ``indices`` of a chunk straight out of the mapped
+        file into their targets (checking the chunk if a sink says so)."""
+        chunk = sinks[0].chunk
+        end = chunk.byte_offset + chunk.nbytes
+        if end > len(mapping):
+            raise CorruptCheckpointError(
+                f"{fqn!r}: file {name!r} ends at byte {len(mapping)}, before the end of its "
+                f"chunk at offsets {list(chunk.offsets)} (byte {end}): truncated")
+        view = mapping[chunk.byte_offset:end]
+        whole = _Sink(chunk, sinks[0].dtype, indices, chunk.nbytes,
+                      tensors.from_bytes(tensors.bytes_of(view), sinks[0].dtype, chunk.sizes),
+                      any(s.check for s in sinks), False, True)
+        with self.lock:
+            self.counts[cached][0] += sum(items[k].nbytes for k in indices)
+            self.counts[cached][1] += 1
+        try:
+            self._finish(whole, view, items, keep, out)
+        finally:
+            whole.buf = None
+            with contextlib.suppress(BufferError):  # a traceback still holds a tensor of it
+                view.release()
 
     def _whole_chunk(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
         """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
