@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import difflib
 import functools
 import os
 import re
@@ -233,18 +232,17 @@ def checkpoint_uri(checkpoint_id: str) -> str:
             return uri
         meant = _meant_scheme(scheme, known)
         if meant is not None:
+            why = "schemes are lowercase" if meant == scheme.lower() else "a near-miss"
             raise CheckpointError(
-                f"checkpoint id {uri!r}: unknown scheme {scheme!r}; did you mean "
-                f"'{meant}://{rest}'? (schemes are lowercase; installed plugins: "
+                f"checkpoint id {uri!r}: unknown scheme {scheme!r} ({why}); did you mean "
+                f"'{meant}://{rest}'? (installed storage plugins: "
                 f"{', '.join(sorted(installed_schemes()))})")
         return uri  # open_storage names the missing plugin
-    meant = scheme.lower() if scheme.lower() in known else _meant_scheme(scheme, known)
-    if meant is None:
-        return uri  # a relative path such as "run:1/ckpt"
-    if sep == ":/" and meant == "file":
+    meant = scheme.lower() if scheme.lower() in known else None
+    if meant is None or (meant == "file" and sep == ":"):
+        return uri  # a relative path such as "run:1/ckpt" or "file:ckpt"
+    if meant == "file" and sep == ":/":
         return "/" + rest
-    if sep == ":" and meant == "file":
-        return uri
     raise CheckpointError(
         f"checkpoint id {uri!r} looks like a mistyped {meant}:// URI (it would be a relative "
         f"local folder); did you mean '{meant}://{rest.lstrip('/')}'? Write './{uri}' for a "
@@ -257,16 +255,29 @@ def _known_schemes() -> set[str]:
 
 
 def _meant_scheme(scheme: str, known: set[str]) -> str | None:
-    """The known scheme ``scheme`` is a near-miss of (another case, a typo),
-    the installed plugins' first, or ``None``."""
+    """The known scheme ``scheme`` is a near-miss of (another case, one
+    character off), the installed plugins' first, or ``None``."""
     lower = scheme.lower()
     if lower in known:
         return lower
     for pool in (sorted(installed_schemes()), sorted(known)):
-        close = difflib.get_close_matches(lower, pool, n=1, cutoff=0.6)
-        if close and (len(lower) > 2 or close[0][:1] == lower[:1]):
+        close = [k for k in pool if _one_edit_apart(lower, k)]
+        if close:
             return close[0]
     return None
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``b`` is ``a`` with one character replaced, inserted, deleted
+    or two neighbours swapped, and long enough for that to be a typo."""
+    if min(len(a), len(b)) < 2 or abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1
+                                  and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])
+    short, long = sorted((a, b), key=len)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
 
 
 def scheme_of(checkpoint_id: str) -> str:
@@ -298,7 +309,8 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     checkpoint_id = checkpoint_uri(checkpoint_id)
     scheme = scheme_of(checkpoint_id)
     plugins = installed_schemes()
-    if scheme not in plugins and FSSPEC_FALLBACK in plugins and scheme in fsspec.available_protocols():
+    if (scheme not in plugins and FSSPEC_FALLBACK in plugins
+            and scheme in fsspec.available_protocols()):
         scheme = FSSPEC_FALLBACK
     if scheme not in plugins:
         hint = f"; install {INSTALL_HINTS[scheme]} for it" if scheme in INSTALL_HINTS else ""
@@ -310,7 +322,8 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
         cls = plugins[scheme].load()
     except ImportError as e:
         hint = INSTALL_HINTS.get(scheme, e.name or "its dependencies")
-        raise CheckpointError(f"storage plugin for {scheme!r} cannot be imported ({e}); install {hint}") from e
+        raise CheckpointError(
+            f"storage plugin for {scheme!r} cannot be imported ({e}); install {hint}") from e
     read_cost = options.pop("read_cost", None)
     try:
         storage = cls(str(checkpoint_id), **options)
