@@ -141,16 +141,22 @@ class DefaultLoadPlanner(LoadPlanner):
                  for p in plans]
         read = [0] * len(plans)
         shared = []
+        single: list[list[ReadItem]] = [[] for _ in plans]
         for key, holders in needers.items():
             if len(holders) == 1:
                 rank, item = holders[0]
-                final[rank].items.append(item)
+                single[rank].append(item)
                 read[rank] += item.nbytes
             else:
                 shared.append(key)
         shared.sort(key=lambda k: (-needers[k][0][1].nbytes, k))
         hosts = [p.host for p in plans]
         moved: dict[tuple[tuple[int, ...], str], int] = defaultdict(int)
+        chunk_stream: list[dict[int, Transfer]] = []
+        if path == SHARED_MEMORY:
+            chunk_stream = _share_chunks(plans, single, read, moved)
+        for rank, items in enumerate(single):
+            final[rank].items.extend(items)
         by_group: dict[tuple[tuple[int, ...], int, bool], list[tuple]] = defaultdict(list)
         for key in shared:
             holders = dict(needers[key])
@@ -182,12 +188,15 @@ class DefaultLoadPlanner(LoadPlanner):
                     moved[(ranks, SHARED_MEMORY if shm else BROADCAST)] += nbytes * len(members)
         # one stream of batches per (group, reader, path), interleaved so that
         # every reader's first transfer comes early in the order all ranks follow
-        streams = [[(ranks, src, shm, batch) for batch in self._batches(keys, needers)]
+        streams = [[{rank: Transfer(ranks, src, tuple(item for k in batch for r, item in needers[k]
+                                                      if r == rank), shm)
+                     for rank in ranks}
+                    for batch in self._batches(keys, needers)]
                    for (ranks, src, shm), keys in sorted(by_group.items())]
-        for ranks, src, shm, batch in (b for wave in zip_longest(*streams) for b in wave if b):
-            for rank in ranks:
-                items = tuple(item for k in batch for r, item in needers[k] if r == rank)
-                final[rank].transfers.append(Transfer(ranks, src, items, shm))
+        for wave in zip_longest(chunk_stream, *streams):
+            for entry in wave:
+                for rank, transfer in (entry or {}).items():
+                    final[rank].transfers.append(transfer)
         groups = sorted({ranks for ranks, _, shm in by_group if not shm})
         paths = sorted((ranks, way, n) for (ranks, way), n in moved.items())
         for plan in final:
@@ -214,6 +223,47 @@ def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
     for r in ranks:
         parts[hosts[r] or f"rank {r}"].append(r)
     return [tuple(p) for p in parts.values()]
+
+
+def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[int],
+                  moved: dict[tuple[tuple[int, ...], str], int]) -> list[dict[int, Transfer]]:
+    """Chunks that several ranks of one host read whole, each for regions
+    only it needs (a resharded load): one of them reads the chunk, the others
+    take their regions out of it through host shared memory, instead of
+    every rank fetching the whole chunk.  Moves the receivers' items out of
+    ``single`` and updates ``read``; returns the transfers, one entry (rank
+    -> its :class:`Transfer`) per chunk."""
+    wanted = {(rank, fqn, number): nbytes for rank, p in enumerate(plans) if p.shared_memory
+              and p.host for fqn, number, nbytes in p.whole_chunks}
+    members: dict[tuple[str, str, int], dict[int, list[ReadItem]]] = defaultdict(
+        lambda: defaultdict(list))
+    for rank, items in enumerate(single):
+        for item in items:
+            if (rank, item.fqn, item.chunk) in wanted:
+                members[(plans[rank].host, item.fqn, item.chunk)][rank].append(item)
+    stream = []
+    def size(key: tuple[str, str, int]) -> int:
+        return max(n for (_, f, c), n in wanted.items() if (f, c) == key[1:])
+
+    for key in sorted(members, key=lambda k: (-size(k), k)):
+        fqn, number, of_rank = key[1], key[2], members[key]
+        if len(of_rank) < 2:
+            continue
+        ranks = tuple(sorted(of_rank))
+        for r in ranks:
+            read[r] -= sum(i.nbytes for i in of_rank[r])
+        src = _least_read(ranks, read)
+        nbytes = wanted[(src, fqn, number)]
+        read[src] += nbytes
+        for r in ranks:
+            if r != src:
+                kept = set(of_rank[r])
+                single[r] = [i for i in single[r] if i not in kept]
+        moved[(ranks, "storage")] += nbytes
+        moved[(ranks, SHARED_MEMORY)] += nbytes * (len(ranks) - 1)
+        stream.append({r: Transfer(ranks, src, tuple(of_rank[r]), True, whole_chunk=True)
+                       for r in ranks})
+    return stream
 
 
 def _designate_checks(plans: list[LoadPlan], final: list[LoadPlan]) -> None:

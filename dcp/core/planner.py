@@ -109,13 +109,18 @@ class Transfer:
     are this rank's own :class:`ReadItem` for them; every member lists the
     same regions in the same order.  ``shared_memory``: the members share a
     host and pass the bytes through shared memory (:mod:`dcp.coordination.host_exchange`)
-    instead of a ``torch.distributed`` broadcast.
+    instead of a ``torch.distributed`` broadcast.  ``whole_chunk``: the
+    source reads the one chunk its items lie in whole and sends all of it,
+    and each member takes its own regions (``items``, which then differ
+    between members) out of it — a chunk read once per host for a resharded
+    load (shared memory only).
     """
 
     ranks: tuple[int, ...]
     src: int
     items: tuple[ReadItem, ...]
     shared_memory: bool = False
+    whole_chunk: bool = False
 
     @property
     def nbytes(self) -> int:

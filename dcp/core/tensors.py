@@ -14,6 +14,16 @@ Three kinds of leaves are understood:
   shards included.
 * :class:`TensorShard`: a Megatron-style description (local tensor + global
   shape + global offsets) for frameworks without DTensor.
+* ``ShardedTensor`` (FSDP1's ``SHARDED_STATE_DICT``, torchrec): each local
+  shard is a chunk at its ``shard_offsets``, uneven and empty shards
+  included; a rank may hold several (:func:`describe_chunks`), or one at
+  most to be loaded into (:func:`describe`).
+
+A DTensor on a mesh that does not contain the calling rank is skipped on
+that rank, as PyTorch DCP does: it offers nothing to save, and its load
+target is an empty box.  A tensor on the ``meta`` device holds no values:
+it is refused on save, and on load it is replaced by a real tensor of the
+saved dtype (:func:`materialize`).
 
 Device tensors reach host memory through ``Tensor.to("cpu")``, which works
 for any torch device (CUDA, Ascend NPU through ``torch_npu``, ...), so no
@@ -22,11 +32,13 @@ device type is hard-coded.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -89,6 +101,19 @@ def describe(fqn: str, value: Any) -> LocalChunk:
     Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype or
     a :class:`TensorShard` whose box lies outside its global shape.
     """
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        if len(shards) > 1:
+            raise CheckpointError(
+                f"{fqn!r}: this rank holds {len(shards)} local shards of the ShardedTensor; a "
+                f"load target may hold one at most (save handles any number)")
+        return _sharded_chunks(fqn, value)[0]
+    if isinstance(value, DTensor) and not _on_mesh(value):
+        # not on this rank's mesh: an empty box, or a scratch scalar for a 0-d tensor
+        shape = tuple(value.shape)
+        sizes = (0, *shape[1:]) if shape else ()
+        return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
+                          torch.empty(sizes, dtype=value.dtype))
     if isinstance(value, DTensor):
         local = value._local_tensor
         global_shape = tuple(value.shape)
@@ -117,13 +142,98 @@ def describe(fqn: str, value: Any) -> LocalChunk:
     return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), shape, value)
 
 
+def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
+    """Every box this rank holds of a tensor-like leaf, to be saved: one for
+    most leaves, one per local shard of a ``ShardedTensor``, none for a
+    DTensor whose mesh does not contain this rank.
+
+    Raises :class:`CheckpointError` naming ``fqn`` for a tensor on the meta
+    device (it holds no values), besides :func:`describe`'s errors.
+    """
+    if is_meta(value):
+        raise CheckpointError(f"{fqn!r} is on the meta device: it holds no values to save")
+    if isinstance(value, ShardedTensor):
+        return _sharded_chunks(fqn, value)
+    if isinstance(value, DTensor) and not _on_mesh(value):
+        return []
+    return [describe(fqn, value)]
+
+
+def _on_mesh(value: DTensor) -> bool:
+    return value.device_mesh.get_coordinate() is not None
+
+
+def _sharded_chunks(fqn: str, value: ShardedTensor) -> list[LocalChunk]:
+    """The local shards of a ShardedTensor as chunks (an empty box if it
+    has none here); raises :class:`CheckpointError` naming ``fqn`` for a
+    shard that does not fit the global shape or its own metadata."""
+    global_shape = tuple(value.size())
+    dtype = dtype_name(value.dtype, fqn)
+    chunks = []
+    for shard in value.local_shards():
+        sizes = tuple(int(s) for s in shard.metadata.shard_sizes)
+        offsets = tuple(int(o) for o in shard.metadata.shard_offsets)
+        if tuple(shard.tensor.shape) != sizes or len(offsets) != len(global_shape) or any(
+                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
+            raise CheckpointError(
+                f"{fqn!r}: ShardedTensor shard of shape {tuple(shard.tensor.shape)} at offsets "
+                f"{offsets} (sizes {sizes}) does not fit global shape {global_shape}")
+        if 0 in sizes:
+            offsets = (0,) * len(sizes)
+        chunks.append(LocalChunk(global_shape, dtype_name(shard.tensor.dtype, fqn), offsets,
+                                 sizes, shard.tensor))
+    if not chunks:
+        sizes = (0, *global_shape[1:]) if global_shape else ()
+        chunks.append(LocalChunk(global_shape, dtype, (0,) * len(global_shape), sizes,
+                                 torch.empty(sizes, dtype=value.dtype)))
+    return chunks
+
+
+def is_meta(value: Any) -> bool:
+    """Whether a tensor-like leaf's values live on the meta device (none)."""
+    if isinstance(value, TensorShard):
+        value = value.data
+    if isinstance(value, ShardedTensor):
+        return any(s.tensor.is_meta for s in value.local_shards())
+    if isinstance(value, DTensor):
+        return value._local_tensor.is_meta
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def materialize(value: Any, dtype: str) -> Any:
+    """A host tensor-like leaf laid out like ``value`` (same kind, shape,
+    placements) whose values are uninitialized, of checkpoint dtype
+    ``dtype``: the target that replaces a meta-device one."""
+    dt = _DTYPES[dtype]
+    if isinstance(value, TensorShard):
+        return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt), value.global_shape,
+                           value.global_offsets)
+    if isinstance(value, ShardedTensor):
+        from torch.distributed._shard.sharded_tensor import Shard
+
+        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt), s.metadata)
+                  for s in value.local_shards()]
+        metadata = value.metadata()
+        metadata.tensor_properties.dtype = dt
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, metadata, process_group=value._process_group)
+    if isinstance(value, DTensor):
+        local = torch.empty(tuple(value._local_tensor.shape), dtype=dt)
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    return torch.empty(tuple(value.shape), dtype=dt)
+
+
 def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     """``(index, count)``: this rank is replica number ``index`` of the
     ``count`` ranks holding the same chunk of a tensor-like leaf, computed
     without communication.  A plain tensor is held by every rank of the group
     (``(rank, world_size)``); a DTensor by the ranks that differ only in
     their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
-    counts as held by this rank alone (its replicas are not knowable)."""
+    counts as held by this rank alone (its replicas are not knowable), as
+    does a ``ShardedTensor``'s shard (shards are disjoint)."""
+    if isinstance(value, (TensorShard, ShardedTensor)):
+        return 0, 1
     if isinstance(value, DTensor):
         mesh = value.device_mesh
         coordinate: Sequence[int] = mesh.get_coordinate() or ()
@@ -133,8 +243,6 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
                 index = index * mesh.size(dim) + coordinate[dim]
                 count *= mesh.size(dim)
         return index, count
-    if isinstance(value, TensorShard):
-        return 0, 1
     return rank, world_size
 
 
@@ -186,6 +294,18 @@ def bytes_of(view: memoryview) -> torch.Tensor:
     """A flat uint8 host tensor over the writable bytes ``view`` (no copy)."""
     return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(
         0, dtype=torch.uint8)
+
+
+def readonly_view(view: memoryview, dtype: str, sizes: Sequence[int]) -> torch.Tensor:
+    """``view``'s bytes (possibly read-only memory, such as a mapping of
+    another process's shared memory) as a tensor of ``dtype`` and shape
+    ``sizes``, without copying; the caller only reads from it."""
+    if not len(view):
+        return torch.empty(tuple(sizes), dtype=_DTYPES[dtype])
+    with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return from_bytes(flat, dtype, sizes)
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:

@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import pickle
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp.orchestration import pending
+from dcp.orchestration import pending, targets
 
 from dcp.core import tensors
 from dcp.core.boxes import byte_runs, run_extent
@@ -89,7 +91,10 @@ class LoadReport:
     ``paths``: per replica group (its ranks), the path its regions took and
     the bytes moved that way — ``"storage"`` (read from storage),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
-    on every rank.
+    on every rank.  ``materialized``: fqns whose target was on the meta
+    device, replaced by a real host tensor of the saved dtype (in the
+    caller's container, or in the state dict handed to a Stateful's
+    ``load_state_dict()``).
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -99,6 +104,7 @@ class LoadReport:
     bytes_from_cache: int = 0
     cache_requests: int = 0
     paths: list[tuple[tuple[int, ...], str, int]] = field(default_factory=list)
+    materialized: list[str] = field(default_factory=list)
 
 
 def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
@@ -152,9 +158,20 @@ class _Load:
         self.exchange: HostExchange | None = None
         #: chunks this rank checks for its host (None: every chunk it reads whole)
         self.checks: set[tuple[str, int]] | None = None
+        #: regions of chunks this rank reads whole and sends whole to its host,
+        #: and those chunks
+        self.whole: set[ReadItem] = set()
+        self.forced: set[tuple[str, int]] = set()
         self.staging = threading.local()
 
+    #: Called with the metadata before planning, inside the planning step
+    #: (so what it raises fails the load on every rank): :func:`load` sets
+    #: it to materialize meta-device targets (:mod:`dcp.orchestration.targets`).
+    before_planning: Callable[[Metadata], None] | None = None
+
     def local_plan(self) -> LoadPlan:
+        if self.before_planning is not None:
+            self.before_planning(self.metadata)
         self.leaves = flatten(self.state_dict, tensors.is_tensor)
         for fqn, leaf in self.leaves.items():
             if tensors.is_tensor(leaf.value):
@@ -186,7 +203,9 @@ class _Load:
         me = self.coord.rank
         self.checks = None if plan.checks is None else set(plan.checks)
         sourced = [t for t in plan.transfers if t.src == me]
-        keep = {i for t in sourced for i in t.items}
+        keep = {i for t in sourced if not t.whole_chunk for i in t.items}
+        self.whole = {i for t in sourced if t.whole_chunk for i in t.items}
+        self.forced = {(i.fqn, i.chunk) for i in self.whole}
         with ThreadPoolExecutor(self._read_threads(plan)) as pool:
             # reads feeding transfers first, in the order the transfers run,
             # one read call per transfer and file; then the rank's own
@@ -281,7 +300,9 @@ class _Load:
         for transfer in transfers:
             key = _key(transfer)
             try:
-                parts = [self._region(reads, i) for i in transfer.items]
+                # a whole chunk: every item of the source's maps to the same copy
+                wanted = transfer.items[:1] if transfer.whole_chunk else transfer.items
+                parts = [self._region(reads, i) for i in wanted]
                 self.exchange.publish(key, [tensors.byte_view(p) for p in parts],
                                       tuple(r for r in transfer.ranks if r != transfer.src))
             except Exception as e:  # raised after all transfers ran
@@ -296,6 +317,15 @@ class _Load:
         """Copy the regions of a transfer from shared memory straight into
         their targets (through a host buffer where the target's layout or
         dtype needs it)."""
+        if transfer.whole_chunk:
+            item = transfer.items[0]
+            saved = self.metadata.tensors[item.fqn]
+            chunk = saved.chunks[item.chunk]
+            whole = tensors.readonly_view(view, saved.dtype, chunk.sizes)
+            for item in transfer.items:
+                rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+                tensors.copy_into(self._target_region(item), tensors.region(whole, rel, item.sizes))
+            return
         pos = 0
         for item in transfer.items:
             dtype = self.metadata.tensors[item.fqn].dtype
@@ -422,7 +452,8 @@ class _Load:
         key = (fqn, number)
         checks = self.checks
         designated = checks is not None and key in checks
-        if designated or self._whole_chunk(fqn, number, [items[k] for k in indices]):
+        if designated or key in self.forced or self._whole_chunk(
+                fqn, number, [items[k] for k in indices]):
             if self.verify == "all":
                 # the chunk's last byte first: crafted metadata declaring a huge
                 # chunk fails here, before a buffer of its size is allocated
@@ -520,6 +551,7 @@ class _Load:
                 f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} "
                 f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                 f"{chunk.file!r}): the checkpoint is corrupted")
+        sent = None  # the whole chunk, kept for sending it on
         for k in sink.items:
             item = items[k]
             if sink.direct:
@@ -530,15 +562,44 @@ class _Load:
                 rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
                 buf = tensors.region(buf, rel, item.sizes)
             tensors.copy_into(self._target_region(item), buf)
-            if item in keep:  # the staging memory is reused: keep a copy to send
+            # the staging memory is reused: keep a copy of what is sent on
+            if item in self.whole:
+                sent = tensors.contiguous_copy(sink.buf) if sent is None else sent
+                out[k] = sent
+            elif item in keep:
                 out[k] = tensors.contiguous_copy(buf)
+
+    def _read_blob(self, fqn: str, ref, what: str) -> bytearray:
+        """The bytes of a blob, checksum verified; its last byte is read
+        first, so crafted metadata declaring a huge blob fails before a
+        buffer of its size is allocated."""
+        try:
+            if ref.nbytes:
+                self.storage.read_ranges(
+                    ref.file, [(ref.byte_offset + ref.nbytes - 1, memoryview(bytearray(1)))])
+            blob = bytearray(ref.nbytes)
+            self.storage.read_ranges(ref.file, [(ref.byte_offset, memoryview(blob))])
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{fqn!r}: reading its {what} bytes from file {ref.file!r} failed on rank "
+                f"{self.coord.rank}: {e}") from e
+        if checksum(blob) != ref.checksum:
+            raise CorruptCheckpointError(
+                f"{fqn!r}: checksum mismatch in its {what} bytes in file {ref.file!r}")
+        with self.lock:
+            self.counts[False][0] += ref.nbytes
+            self.counts[False][1] += 1
+        return blob
 
     def _load_objects(self) -> None:
         for fqn in self.objects:
             saved = self.metadata.objects.get(fqn)
             if saved is None:
                 continue
-            if saved.pickled is None:
+            if saved.raw is not None:  # raw bytes, never unpickled
+                blob = self._read_blob(fqn, saved.raw, "raw")
+                value = io.BytesIO(blob) if saved.raw_type == "BytesIO" else bytes(blob)
+            elif saved.pickled is None:
                 value = saved.value
                 if isinstance(self.leaves[fqn].value, tuple) and isinstance(value, list):
                     value = tuple(value)
@@ -547,15 +608,8 @@ class _Load:
                     raise CheckpointError(
                         f"{fqn!r} is stored pickled; loading it can run code, so it needs "
                         f"allow_pickle=True (only for checkpoints you trust)")
-                ref = saved.pickled
-                blob = bytearray(ref.nbytes)
-                self.storage.read_ranges(ref.file, [(ref.byte_offset, memoryview(blob))])
-                if checksum(blob) != ref.checksum:
-                    raise CorruptCheckpointError(
-                        f"{fqn!r}: checksum mismatch in its pickled bytes in file {ref.file!r}")
+                blob = self._read_blob(fqn, saved.pickled, "pickled")
                 value = pickle.loads(blob)  # opted in by allow_pickle=True
-                self.counts[False][0] += ref.nbytes
-                self.counts[False][1] += 1
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
@@ -584,9 +638,11 @@ def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):
 
 def _key(transfer: Transfer) -> str:
     """A name for ``transfer`` that all its members derive alike: its first
-    region is read by one rank into one transfer only."""
+    region is read by one rank into one transfer only (for a whole chunk,
+    the chunk, whose regions differ between members)."""
     item = transfer.items[0]
-    ident = repr((transfer.ranks, transfer.src, item.fqn, item.chunk, item.offsets, item.sizes))
+    region = (item.chunk,) if transfer.whole_chunk else (item.chunk, item.offsets, item.sizes)
+    ident = repr((transfer.ranks, transfer.src, item.fqn, *region))
     return hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
 
 
@@ -601,7 +657,15 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     The target's layout may differ from the saved one (other world size,
     other placements, TP8 -> TP4): each rank reads just the bytes of the
     boxes it holds.  Tensors (and DTensor local shards) are filled in place,
-    so tied tensors stay tied; non-tensor leaves are replaced.
+    so tied tensors stay tied; non-tensor leaves are replaced (``bytes`` and
+    ``io.BytesIO`` values come back as the type they were saved as).
+
+    A Stateful value (``state_dict()`` / ``load_state_dict()``, at any depth)
+    is loaded through its ``state_dict()``, whose tensors are the in-place
+    targets; once every read has finished its ``load_state_dict()`` is called
+    with the loaded values.  A target on the meta device is replaced by a
+    real host tensor of the saved dtype and listed in
+    :attr:`LoadReport.materialized`; one the checkpoint lacks raises.
 
     Args:
         state_dict: the target, structured like the saved one.
@@ -649,7 +713,11 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else default_planner("load")
-    job = _Load(state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
+    prepared = targets.Targets(state_dict)
+    job = _Load(prepared.state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify, host)
+    job.before_planning = prepared.before_planning
     with gc_paused():
-        return job.run(str(checkpoint_id))
+        report = job.run(str(checkpoint_id))
+    prepared.finish(report)
+    return report
