@@ -36,12 +36,14 @@ same group and reader are batched into transfers of about ``batch_bytes``.
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from collections import Counter, defaultdict
 from itertools import zip_longest
 
 from dcp.core.boxes import intersect_many, volume
 from dcp.errors import CheckpointError
-from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata
+from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata, ObjectMeta
 from dcp.core.planner import (BROADCAST, PAGE_CACHE, SHARED_MEMORY, LoadPlan, LoadPlanner,
                               ReadItem, ReadRequest, Transfer)
 
@@ -75,10 +77,20 @@ class DefaultLoadPlanner(LoadPlanner):
         plan = LoadPlan()
         wanted = {r.fqn for r in requests} | set(objects)
         plan.unexpected_keys = [f for f in metadata.fqns() if f not in wanted]
+        for fqn in objects:
+            if fqn in metadata.tensors:
+                saved = metadata.tensors[fqn]
+                raise CheckpointError(
+                    f"{fqn!r}: the target holds a plain value there, but the checkpoint holds a "
+                    f"tensor of shape {list(saved.shape)} and dtype {saved.dtype}")
         plan.missing_keys = [f for f in objects if f not in metadata.objects]
         for index, req in enumerate(requests):
             saved = metadata.tensors.get(req.fqn)
             if saved is None:
+                if req.fqn in metadata.objects:
+                    raise CheckpointError(
+                        f"{req.fqn!r}: the target holds a tensor there, but the checkpoint holds "
+                        f"{_describe(metadata.objects[req.fqn])}")
                 plan.missing_keys.append(req.fqn)
                 continue
             if saved.shape != req.shape:
@@ -106,7 +118,12 @@ class DefaultLoadPlanner(LoadPlanner):
         if strict and plan.missing_keys:
             raise CheckpointError(
                 f"{len(plan.missing_keys)} key(s) of the target are not in the checkpoint: "
-                f"{', '.join(plan.missing_keys)} (pass strict=False to load the rest)")
+                f"{', '.join(plan.missing_keys)}{_nearest(plan.missing_keys, metadata)} "
+                f"(pass strict=False to load the rest)")
+        if plan.missing_keys and len(plan.missing_keys) == len(wanted):
+            warnings.warn(
+                f"strict=False load matched none of the target's {len(wanted)} key(s): nothing "
+                f"was loaded{_nearest(plan.missing_keys, metadata)}", stacklevel=4)
         return plan
 
     def resolve_path(self, plans: list[LoadPlan]) -> str:
@@ -223,6 +240,35 @@ def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
     for r in ranks:
         parts[hosts[r] or f"rank {r}"].append(r)
     return [tuple(p) for p in parts.values()]
+
+
+def _describe(saved: ObjectMeta) -> str:
+    """What a non-tensor entry of a checkpoint holds, for messages."""
+    if saved.pickled is not None:
+        return "a pickled value"
+    if getattr(saved, "raw", None) is not None:
+        return "a bytes value"
+    text = repr(saved.value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    kind = type(saved.value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} value ({text})"
+
+
+def _nearest(missing: list[str], metadata: Metadata) -> str:
+    """A hint naming the checkpoint key nearest to the first missing key:
+    the same key under another prefix (``module.``, ``model.``), or the
+    closest spelling; empty if none is near."""
+    keys = metadata.fqns()
+    fqn = missing[0]
+    for key in keys:
+        if key.endswith("." + fqn):
+            return (f"; the checkpoint has {key!r}: its keys carry the prefix "
+                    f"{key[:-len(fqn)]!r} that the target's lack")
+        if fqn.endswith("." + key):
+            return (f"; the checkpoint has {key!r}: the target's keys carry the prefix "
+                    f"{fqn[:-len(key)]!r} that the checkpoint's lack")
+    close = difflib.get_close_matches(fqn, keys, n=1)
+    return f"; nearest key in the checkpoint to {fqn!r}: {close[0]!r}" if close else ""
 
 
 def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[int],
