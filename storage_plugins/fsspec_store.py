@@ -15,13 +15,14 @@ show the files other ranks wrote a moment ago, which a cached listing hides.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+import datetime
+from collections.abc import Iterable, Iterator, Sequence
 
 import fsspec
 
-from dcp.errors import CheckpointError
 from dcp.core.read_cost import ReadCost
 from dcp.core.storage import StoragePlugin
+from dcp.errors import CheckpointError
 
 MiB = 1 << 20
 
@@ -141,9 +142,32 @@ class FsspecStorage(StoragePlugin):
         prefix = self.root + "/"
         return sorted(p[len(prefix):] for p in self.fs.find(self.root) if p.startswith(prefix))
 
+    def file_stats(self) -> dict[str, tuple[int | None, float | None]]:
+        prefix = self.root + "/"
+        found = self.fs.find(self.root, detail=True)
+        return {p[len(prefix):]: (info.get("size"), _mtime(info))
+                for p, info in sorted(found.items()) if p.startswith(prefix)}
+
     def delete(self, names: Iterable[str]) -> None:
         for name in names:
             try:
                 self.fs.rm_file(self.path(name))
             except FileNotFoundError:
                 pass
+
+
+def _mtime(info: dict) -> float | None:
+    """The modification time of an fsspec ``info`` entry, in Unix seconds
+    (backends name it ``mtime``, ``LastModified``, ``updated``, ...)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None

@@ -246,6 +246,19 @@ class PosixStorage(StoragePlugin):
         for name in names:
             self._path(name).unlink(missing_ok=True)
 
+    def location_exists(self) -> bool | None:
+        return self.root.is_dir()
+
+    def file_stats(self) -> dict[str, tuple[int | None, float | None]]:
+        stats: dict[str, tuple[int | None, float | None]] = {}
+        for name in self.list_files():
+            try:
+                st = self._path(name).stat()
+            except FileNotFoundError:  # deleted meanwhile
+                continue
+            stats[name] = (st.st_size, st.st_mtime)
+        return stats
+
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
     """Fill ``views`` with the bytes of ``fd`` from ``offset`` on, in as few

@@ -89,6 +89,41 @@ def has_metadata(storage: StoragePlugin) -> bool:
     return storage.exists(METADATA_FILE) or storage.exists(rank_metadata_file(0))
 
 
+def what_is_there(storage: StoragePlugin) -> str:
+    """What a location without committed metadata holds, for the message
+    that says it is not a checkpoint: nothing (a missing path), the files of
+    an interrupted save, checkpoints in its subfolders (a root), or other
+    files."""
+    from dcp.orchestration.inventory import file_kind
+
+    try:
+        names = storage.list_files()
+    except Exception as e:  # the message is about the missing metadata: say what we could
+        return f"no committed {METADATA_FILE}, and listing it failed ({type(e).__name__}: {e})"
+    if not names:
+        exists = storage.location_exists()
+        if exists is None:
+            return "nothing is stored there (no object under that prefix)"
+        if not exists:
+            return "that path does not exist (nothing was ever saved there)"
+        return "it is an empty folder"
+    ours = [n for n in names if file_kind(n) is not None]
+    if ours:
+        return (f"it holds {len(ours)} file(s) of a save that never committed (no "
+                f"{METADATA_FILE}): the save was interrupted, or is still in flight; "
+                f"`hyperdcp prune {storage.checkpoint_id}` deletes what an interrupted save "
+                f"left")
+    below = sorted({n.rsplit("/", 1)[0] for n in names if "/" in n
+                    and file_kind(n.rsplit("/", 1)[1]) == "metadata"})
+    if below:
+        shown = ", ".join(below[:5]) + (", ..." if len(below) > 5 else "")
+        return (f"it is a folder of {len(below)} checkpoint(s) ({shown}); pass one of them "
+                f"(`hyperdcp list {storage.checkpoint_id}` lists them)")
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"it exists but holds no committed {METADATA_FILE} nor {rank_metadata_file(0)}, "
+            f"only {len(names)} other file(s) ({shown})")
+
+
 def read_metadata_bytes(storage: StoragePlugin) -> bytes:
     """The checkpoint's encoded metadata: the committed ``metadata.json`` of a
     coordinated save, else the merge of the per-rank files of a
@@ -109,9 +144,7 @@ def read_metadata_bytes(storage: StoragePlugin) -> bytes:
         first = decode(storage.read_file(rank_metadata_file(0)), where)
     except FileNotFoundError:
         raise NotACheckpointError(
-            f"{storage.checkpoint_id!r} is not a checkpoint: it has no committed "
-            f"{METADATA_FILE} nor {rank_metadata_file(0)} (never saved there, or the save "
-            f"did not complete)") from None
+            f"{storage.checkpoint_id!r} is not a checkpoint: {what_is_there(storage)}") from None
     parts, missing = [first], []
     for rank in range(1, first.world_size):
         name = rank_metadata_file(rank)

@@ -131,7 +131,7 @@ class PlanCache:
         """
         try:
             return self._save(job, save_id)
-        except Exception:  # any failure, a transport timeout included: clean up, re-raise
+        except BaseException:  # any failure, a timeout or an interrupt: clean up, re-raise
             self.entries.clear()
             job.discard()
             raise

@@ -22,6 +22,7 @@ import re
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from importlib.metadata import entry_points
+from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
@@ -169,6 +170,19 @@ class StoragePlugin(abc.ABC):
     def delete(self, names: Iterable[str]) -> None:
         """Delete files; names that do not exist are ignored."""
 
+    def location_exists(self) -> bool | None:
+        """Whether the root itself exists (a directory), for messages about
+        a missing path; ``None`` where the backend has no such notion (an
+        object store's prefix exists once an object is under it)."""
+        return None
+
+    def file_stats(self) -> dict[str, tuple[int | None, float | None]]:
+        """``name -> (size in bytes, modification time in Unix seconds)`` of
+        every file under the root, ``None`` where the backend does not say;
+        for ``hyperdcp list`` and ``prune`` (sizes, ages), never on a save's
+        or load's path.  The default knows neither."""
+        return {name: (None, None) for name in self.list_files()}
+
     # ---- exchange files of the file-flag coordination protocol -----------
 
     def write_exchange(self, name: str, payload: bytes) -> None:
@@ -289,7 +303,7 @@ def scheme_of(checkpoint_id: str) -> str:
 
 
 @functools.cache
-def installed_schemes() -> dict[str, object]:
+def installed_schemes() -> dict[str, Any]:
     """Scheme -> entry point of every installed storage plugin (scanned once
     per process)."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}

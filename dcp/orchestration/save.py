@@ -16,13 +16,18 @@ failure anywhere fails the save on every rank:
    deleted: new data files carry the save's id in their names, so until the
    commit the previous checkpoint stays whole and loadable.
 
-On failure every rank deletes the files it wrote; nothing is committed.
+On failure every rank deletes the files it wrote, interrupted or not
+(``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler); nothing
+is committed.  What a killed process could not delete (``SIGKILL``) is listed
+as orphaned by ``hyperdcp list`` and ``hyperdcp verify``, and deleted by
+``hyperdcp prune`` or by the next save that commits there.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import uuid
 import warnings
 from collections import defaultdict
@@ -155,13 +160,20 @@ def commit_metadata(storage: StoragePlugin, name: str, md: Metadata, overwrite: 
             f"{storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
 
 
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint) is named like the data
+    files saves write there (``rRRRRR-K.<save id>.data``, at the top)."""
+    return re.fullmatch(r"r\d{5}-[^/]*" + re.escape(DATA_SUFFIX), name) is not None
+
+
 def delete_stale(storage: StoragePlugin, keep: set[str], owned: Callable[[str], bool]) -> None:
-    """After a commit that replaced a checkpoint: delete the data files not in
-    ``keep`` for which ``owned(name)`` holds.  The new checkpoint is already
-    committed, so a failure here only leaves garbage: warn."""
+    """After a commit: delete the data files not in ``keep`` for which
+    ``owned(name)`` holds — a replaced checkpoint's, and those of saves that
+    died before deleting theirs.  The new checkpoint is already committed,
+    so a failure here only leaves garbage: warn."""
     try:
         storage.delete(n for n in storage.list_files()
-                       if n.endswith(DATA_SUFFIX) and n not in keep and owned(n))
+                       if is_data_file(n) and n not in keep and owned(n))
     except OSError as e:
         warnings.warn(f"{storage.checkpoint_id!r}: could not delete the replaced "
                       f"checkpoint's data files: {e}", stacklevel=2)
@@ -394,8 +406,9 @@ class _Save:
         md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
         commit_metadata(self.storage, self.metadata_file, md, self.overwrite)
-        if self.overwrite:
-            delete_stale(self.storage, md.files(), self._owns)
+        # the replaced checkpoint's data files, and those an interrupted save
+        # left (a process killed before it could delete them)
+        delete_stale(self.storage, md.files(), self._owns)
         return md
 
     def _owns(self, name: str) -> bool:
@@ -425,12 +438,13 @@ class _Save:
 
     def persist(self, save_id: str, plan: SavePlan) -> Metadata:
         """Phases 2 and 3: write ``plan``, then commit on the coordinator.
-        On failure every rank deletes the files it wrote."""
+        On failure every rank deletes the files it wrote, also when
+        interrupted (``KeyboardInterrupt``, a signal handler's exception)."""
         try:
             return self.coord.gather_broadcast(
                 "save writing/commit", lambda: self.write(save_id, plan),
                 lambda results: self.commit(save_id, results))
-        except Exception:  # a failure of any rank, or of the transport (a timeout)
+        except BaseException:  # any rank's failure, the transport's (a timeout), an interrupt
             self.discard()
             raise
 

@@ -13,6 +13,11 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 * ``hyperdcp convert SRC DST`` — between hyperdcp checkpoints, Hugging Face
   safetensors (single file or sharded folder) and PyTorch DCP checkpoints;
   the source format is detected.
+* ``hyperdcp list ROOT`` — every checkpoint under a root (or the one it
+  is): complete or incomplete, size, age, orphaned files
+  (:mod:`dcp.orchestration.inventory`).
+* ``hyperdcp prune URI`` — deletes the orphaned files under a checkpoint or
+  root: what saves killed before their cleanup left.
 
 A URI is a path or any URI a storage plugin serves; ``-o [SCHEME:]KEY=VALUE``
 passes options to the plugins (with ``SCHEME:``, only to that scheme's).
@@ -35,26 +40,38 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from dcp.coordination.independent import has_metadata
+from dcp.coordination.independent import has_metadata, what_is_there
 from dcp.core.metadata import CHECKSUM, METADATA_FILE
-from dcp.core.storage import open_storage, scheme_of
+from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop import safetensors_io, torch_dcp_io
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
+from dcp.orchestration import inventory
 from dcp.orchestration.load import read_metadata
 from dcp.tools.diff import diff
 from dcp.tools.verify import verify
 
 EXIT_ERROR, EXIT_USAGE, EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+
+#: The Python API's keyword arguments that messages name, and the options
+#: that say the same on the command line: an error reaching the user through
+#: ``hyperdcp`` names the option (:func:`_in_cli_terms`).
+API_OPTIONS = {"overwrite=True": "--overwrite", "allow_pickle=True": "--allow-pickle",
+               "trusted=True": "--trust-pickle"}
+
+DESCRIPTION = ("hyperdcp: distributed checkpoints for PyTorch. Inspect, verify, compare, "
+               "convert, list and prune checkpoints, or run the demo.")
 
 
 FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
@@ -101,8 +118,8 @@ def _detect(uri: str, options: dict[str | None, dict]) -> str:
                                          for n in storage.list_files()):
         return "safetensors"
     raise NotACheckpointError(
-        f"{uri!r} holds no checkpoint: no {METADATA_FILE}, no PyTorch DCP {TORCH_METADATA_FILE}, "
-        f"no {SUFFIX} file")
+        f"{uri!r} is not a checkpoint (no {METADATA_FILE}, no PyTorch DCP "
+        f"{TORCH_METADATA_FILE}, no {SUFFIX} file): {what_is_there(storage)}")
 
 
 def _open(uri: str, options: dict[str | None, dict]):
@@ -167,6 +184,11 @@ def _verify(args) -> int:
         return EXIT_DAMAGED
     for damage in report.damaged:
         print(f"DAMAGED: {damage}")
+    hyperdcp = isinstance(storage, StoragePlugin)  # not a safetensors folder
+    orphans = inventory.inspect_checkpoint(storage).orphans if hyperdcp else {}
+    for name, (size, _) in orphans.items():
+        print(f"ORPHANED: {name} ({_size(size)}): not part of the committed checkpoint (left by "
+              f"an interrupted save); hyperdcp prune {args.uri} deletes it")
     note = (f", {report.unchecked} chunk(s) carry no checksum (read in full, not checkable)"
             if report.unchecked else "")
     print(f"{args.uri}: {report.checked} checksum(s) match, {len(report.damaged)} damaged, "
@@ -200,6 +222,71 @@ def _diff(args) -> int:
         print(f"{state}: {report.identical} identical, {len(report.tensors) + len(report.objects)} "
               f"differ, {len(report.only_in_a)} only in A, {len(report.only_in_b)} only in B")
     return 0 if report.same else EXIT_DIFFERENT
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "size unknown"
+    return f"{nbytes} B" if nbytes < 1024 else tqdm.format_sizeof(nbytes, "B", 1024)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "age unknown"
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def _list(args) -> int:
+    options = _options(args.option)
+    found = inventory.scan(args.root, _options_for(args.root, options))
+    if args.json:
+        print(json.dumps([{"name": e.name, "uri": e.uri, "state": e.state, "nbytes": e.nbytes,
+                           "age_s": e.age_s, "orphans": sorted(e.orphans),
+                           "orphan_bytes": e.orphan_bytes, "detail": e.detail}
+                          for e in found], indent=1))
+        return 0
+    if not found:
+        print(f"{args.root}: no checkpoint there")
+        return 0
+    for e in found:
+        state = e.state
+        if e.state == inventory.COMPLETE and e.orphans:
+            state += f", {len(e.orphans)} orphaned file(s) ({_size(e.orphan_bytes)})"
+        elif e.state == inventory.INCOMPLETE:
+            state += (f": no committed metadata, {len(e.orphans)} file(s) of an interrupted "
+                      f"save or one in flight")
+        elif e.state == inventory.DAMAGED:
+            state += f": {e.detail}"
+        print(f"{e.name or '.'}: {state}; {_size(e.nbytes)}, written {_age(e.age_s)}")
+    orphaned = sum(len(e.orphans) for e in found)
+    if orphaned:
+        print(f"{orphaned} orphaned file(s): hyperdcp prune {args.root} deletes those older "
+              f"than --min-age")
+    return 0
+
+
+def _prune(args) -> int:
+    options = _options(args.option)
+    result = inventory.prune(args.uri, args.min_age * 60, _options_for(args.uri, options))
+    for uri, size in result.removed.items():
+        print(f"removed {uri} ({_size(size)})")
+    total = sum(s or 0 for s in result.removed.values())
+    print(f"{args.uri}: removed {len(result.removed)} orphaned file(s) ({_size(total)})")
+    if result.kept:
+        print(f"kept {len(result.kept)} orphaned file(s) written less than {args.min_age:g} "
+              f"min ago (or of unknown age): a save may still be writing them; --min-age 0 "
+              f"deletes them too")
+    return 0
+
+
+def _in_cli_terms(message: str) -> str:
+    """``message`` with the API's keyword arguments replaced by the options
+    of the command line (:data:`API_OPTIONS`)."""
+    return re.sub("|".join(map(re.escape, API_OPTIONS)),
+                  lambda m: API_OPTIONS[m.group(0)], message)
 
 
 def _rename_map(path: str | None) -> dict[str, str] | None:
@@ -268,10 +355,12 @@ def _demo(argv: list[str]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hyperdcp", description=__doc__.split("\n\n")[0],
+        prog="hyperdcp", description=DESCRIPTION,
         epilog="exit codes: 0 ok, 1 error, 2 bad usage, 3 verify found damage, "
                "4 diff found differences, 130 interrupted",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"hyperdcp {importlib.metadata.version('hyperdcp')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     # listed for --help only: main() hands "demo ..." to the demo's own parser
     sub.add_parser("demo", help="train, checkpoint and resume under another layout "
@@ -338,6 +427,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="store non-JSON values pickled (import), or unpickle stored ones to "
                         "hand to torch (export to torch-dcp)")
     p.set_defaults(run=_convert)
+
+    p = sub.add_parser("list", parents=[common],
+                       help="list the checkpoints under a root, complete or not",
+                       description="List every checkpoint folder under ROOT (ROOT itself "
+                                   "included): complete, incomplete (no committed metadata: a "
+                                   "save interrupted or in flight) or damaged, its size, age "
+                                   "and orphaned files. Exit 0, or 1 on error.")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_list)
+
+    p = sub.add_parser("prune", parents=[common],
+                       help="delete the files interrupted saves left",
+                       description="Delete the orphaned files of every checkpoint folder under "
+                                   "URI: data, exchange and commit files no committed metadata "
+                                   "uses, left by saves killed before they could clean up. "
+                                   "Files hyperdcp does not name are never touched. Exit 0, or "
+                                   "1 on error.")
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--min-age", type=float, default=60.0, metavar="MINUTES",
+                   help="delete only files written at least this long ago, so that a save "
+                        "still in flight keeps its files (default %(default)g; 0: all)")
+    p.set_defaults(run=_prune)
     return parser
 
 
@@ -350,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except CheckpointError as e:
-        print(f"hyperdcp: error: {e}", file=sys.stderr)
+        print(f"hyperdcp: error: {_in_cli_terms(str(e))}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
     except KeyboardInterrupt:
         print("hyperdcp: interrupted", file=sys.stderr)

@@ -1,0 +1,178 @@
+"""Fail fast and clear, leave nothing behind (issue #20): interrupted saves
+remove their files, orphans are listed and pruned, checkpoint ids mean what
+they say, messages say what is wrong, the async worker's waits honour the
+timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcp
+from dcp.core.storage import checkpoint_uri, open_storage
+from dcp.tools.cli import main as hyperdcp
+from storage_plugins.posix import PosixStorage
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Interrupting(PosixStorage):
+    """Writes the first data file, then raises ``exc`` on the second."""
+
+    exc: type[BaseException] = KeyboardInterrupt
+
+    def write_file(self, name, buffers):
+        if name.startswith("r") and any(n.endswith(".data") for n in self.list_files()):
+            raise self.exc()
+        super().write_file(name, buffers)
+
+
+def _state():
+    return {"a": torch.randn(64), "b": torch.randn(64), "c": torch.randn(64), "n": 3}
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupted_save_removes_what_it_wrote(tmp_path, exc):
+    ckpt = tmp_path / "ckpt"
+    storage = Interrupting(str(ckpt), thread_count=1, fsync=False)
+    storage.exc = exc
+    storage.thread_count = 3
+    with pytest.raises(exc):
+        dcp.save(_state(), str(ckpt), storage=storage)
+    assert not [p for p in ckpt.rglob("*") if p.is_file()], list(ckpt.rglob("*"))
+
+
+def test_ctrl_c_during_a_real_save_leaves_nothing(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time, torch, dcp
+        from storage_plugins.posix import PosixStorage
+        class Slow(PosixStorage):
+            def write_file(self, name, buffers):
+                super().write_file(name, buffers)
+                print("wrote", name, flush=True)
+                time.sleep(1.0)
+        if __name__ == "__main__":
+            state = {{f"t{{i}}": torch.randn(1 << 16) for i in range(4)}}
+            dcp.save(state, {str(tmp_path / 'ckpt')!r},
+                     storage=Slow({str(tmp_path / 'ckpt')!r}, thread_count=4, fsync=False))
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("wrote")
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+
+
+def _orphan(ckpt: Path, name="r00003-0.0123456789abcdef00000000.data", data=b"x" * 100):
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / name).write_bytes(data)
+    old = time.time() - 7200
+    os.utime(ckpt / name, (old, old))
+    return ckpt / name
+
+
+def test_orphans_are_listed_verified_pruned_and_removed_by_the_next_save(tmp_path, capsys):
+    root = tmp_path / "run"
+    dcp.save(_state(), str(root / "step1"))
+    orphan = _orphan(root / "step1")
+    _orphan(root / "step2")  # a save killed before its commit
+    (root / "step2" / "notes.txt").write_text("mine")  # not hyperdcp's: never touched
+    young = _orphan(root / "step2", "r00000-1.fedcba9876543210000000.data")
+    os.utime(young)  # written just now: maybe a save in flight
+
+    assert hyperdcp(["list", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "step1: complete, 1 orphaned file(s)" in out, out
+    assert "step2: incomplete" in out, out
+    assert hyperdcp(["verify", str(root / "step1")]) == 0
+    assert f"ORPHANED: {orphan.name}" in capsys.readouterr().out
+    assert hyperdcp(["verify", str(root / "step2")]) == 1
+    assert "never committed" in capsys.readouterr().err
+
+    assert hyperdcp(["prune", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert not orphan.exists() and not (root / "step2" / "r00003-0.0123456789abcdef00000000.data"
+                                        ).exists()
+    assert young.exists() and "kept 1" in out, out
+    assert (root / "step2" / "notes.txt").exists()
+    assert dcp.load(_state(), str(root / "step1")).missing_keys == []
+
+    # the next save to an id removes the data files a killed save left there
+    left = _orphan(root / "step3")
+    dcp.save(_state(), str(root / "step3"))
+    assert not left.exists()
+    assert young.exists()  # other ids untouched
+
+
+@pytest.mark.parametrize("uri, meant", [
+    ("s3:/bucket/ckpt", "s3://bucket/ckpt"), ("s3//bucket", "s3://bucket"),
+    ("file://tmp/x", "file:///tmp/x"), ("S3://bucket/x", "s3://bucket/x"),
+    ("fiel:///tmp/x", "file:///tmp/x"), ("s4://bucket", "s3://bucket"),
+    ("shm:/name", "shm://name")])
+def test_mistyped_checkpoint_ids_are_refused_naming_what_was_meant(tmp_path, uri, meant,
+                                                                   monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: dcp.save({"w": torch.ones(2)}, uri),
+                 lambda: dcp.read_metadata(uri), lambda: open_storage(uri)):
+        with pytest.raises(dcp.CheckpointError, match=f"did you mean '{meant}'"):
+            call()
+    assert hyperdcp(["inspect", uri]) == 1
+    assert f"did you mean '{meant}'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "wrote a relative local folder"
+
+
+def test_checkpoint_ids_are_normalised(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert checkpoint_uri("~/ckpt") == str(tmp_path / "ckpt")
+    assert checkpoint_uri(f"file://{tmp_path}/x") == f"{tmp_path}/x"
+    assert checkpoint_uri("ckpt/step1") == "ckpt/step1"
+    assert checkpoint_uri("run:1/ckpt") == "run:1/ckpt"
+    dcp.save({"w": torch.ones(2)}, "~/ckpt")
+    assert (tmp_path / "ckpt" / "metadata.json").exists()
+    assert dcp.read_metadata(f"file://{tmp_path}/ckpt").tensors["w"].shape == (2,)
+
+
+def test_not_a_checkpoint_says_what_is_there(tmp_path):
+    dcp.save({"w": torch.ones(2)}, str(tmp_path / "root" / "step1"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("x")
+    _orphan(tmp_path / "killed")
+    expected = {"missing": "does not exist", "empty": "empty folder",
+                "root": "folder of 1 checkpoint(s) (step1)", "other": "1 other file(s) (a.txt)",
+                "killed": "never committed"}
+    for name, words in expected.items():
+        with pytest.raises(dcp.NotACheckpointError, match=re.escape(words)):
+            dcp.read_metadata(str(tmp_path / name))
+
+
+def test_cli_names_its_flags_has_a_version_and_plain_help(tmp_path, capsys):
+    dcp.save({"w": torch.ones(2)}, str(tmp_path / "a"))
+    dcp.save({"w": torch.ones(2)}, str(tmp_path / "b"))
+    assert hyperdcp(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) != 0 or True
+    hf = tmp_path / "hf"
+    assert hyperdcp(["convert", str(tmp_path / "a"), str(hf), "--to", "safetensors"]) == 0
+    assert hyperdcp(["convert", str(hf), str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=True" not in err, err
+    with pytest.raises(SystemExit):
+        hyperdcp(["--version"])
+    assert capsys.readouterr().out.startswith("hyperdcp ")
+    with pytest.raises(SystemExit):
+        hyperdcp(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":mod:" not in out, out
