@@ -42,11 +42,18 @@ from collections import Counter, defaultdict
 from itertools import zip_longest
 
 from dcp.core.boxes import intersect_many, volume
-from dcp.errors import CheckpointError
 from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata, ObjectMeta
-from dcp.core.planner import (BROADCAST, PAGE_CACHE, SHARED_MEMORY, LoadPlan, LoadPlanner,
-                              ReadItem, ReadRequest, Transfer)
-
+from dcp.core.planner import (
+    BROADCAST,
+    PAGE_CACHE,
+    SHARED_MEMORY,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    ReadRequest,
+    Transfer,
+)
+from dcp.errors import CheckpointError
 
 REPLICA_PATHS = ("auto", PAGE_CACHE, SHARED_MEMORY, BROADCAST, "none")
 
@@ -79,10 +86,10 @@ class DefaultLoadPlanner(LoadPlanner):
         plan.unexpected_keys = [f for f in metadata.fqns() if f not in wanted]
         for fqn in objects:
             if fqn in metadata.tensors:
-                saved = metadata.tensors[fqn]
+                tensor = metadata.tensors[fqn]
                 raise CheckpointError(
                     f"{fqn!r}: the target holds a plain value there, but the checkpoint holds a "
-                    f"tensor of shape {list(saved.shape)} and dtype {saved.dtype}")
+                    f"tensor of shape {list(tensor.shape)} and dtype {tensor.dtype}")
         plan.missing_keys = [f for f in objects if f not in metadata.objects]
         for index, req in enumerate(requests):
             saved = metadata.tensors.get(req.fqn)
@@ -106,7 +113,7 @@ class DefaultLoadPlanner(LoadPlanner):
             table = saved.table()
             if volume(req.sizes):
                 for number, offsets, sizes in zip(*intersect_many(
-                        table.offsets, table.sizes, req.offsets, req.sizes)):
+                        table.offsets, table.sizes, req.offsets, req.sizes), strict=True):
                     n = volume(sizes)
                     plan.items.append(ReadItem(req.fqn, index, number, tuple(offsets),
                                                tuple(sizes), n * itemsize))
@@ -176,23 +183,23 @@ class DefaultLoadPlanner(LoadPlanner):
             final[rank].items.extend(items)
         by_group: dict[tuple[tuple[int, ...], int, bool], list[tuple]] = defaultdict(list)
         for key in shared:
-            holders = dict(needers[key])
-            ranks = tuple(sorted(holders))
-            nbytes = holders[ranks[0]].nbytes
+            holder_of = dict(needers[key])
+            ranks = tuple(sorted(holder_of))
+            nbytes = holder_of[ranks[0]].nbytes
             if path == PAGE_CACHE:
                 for part in _by_host(ranks, hosts):
                     puller = _least_read(part, read)
                     read[puller] += nbytes
-                    final[puller].items.append(holders[puller])
+                    final[puller].items.append(holder_of[puller])
                     moved[(ranks, "storage")] += nbytes
                     for r in part:
                         if r != puller:
-                            final[r].cached.append(holders[r])
+                            final[r].cached.append(holder_of[r])
                             moved[(ranks, PAGE_CACHE)] += nbytes
                 continue
             src = _least_read(ranks, read)
             read[src] += nbytes
-            final[src].items.append(holders[src])
+            final[src].items.append(holder_of[src])
             moved[(ranks, "storage")] += nbytes
             local: tuple[int, ...] = ()
             if path == SHARED_MEMORY and hosts[src] and plans[src].shared_memory:
@@ -222,7 +229,8 @@ class DefaultLoadPlanner(LoadPlanner):
         return final
 
     def _batches(self, keys: list[tuple], needers) -> list[list[tuple]]:
-        batches, size = [], 0
+        batches: list[list[tuple]] = []
+        size = 0
         for key in keys:
             nbytes = needers[key][0][1].nbytes
             if not batches or size + nbytes > self.batch_bytes:

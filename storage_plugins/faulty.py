@@ -53,15 +53,16 @@ import errno
 import hashlib
 import threading
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from dcp.errors import CheckpointError
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
+from dcp.errors import CheckpointError
 
 PREFIX = "faulty://"
 LOCAL_FAULTS = ("ENOSPC", "EIO")
 REMOTE_FAULTS = ("timeout", "503", "slowdown", "500")
-METHODS = ("write_file", "read_ranges", "read_file", "commit_file", "exists", "list_files", "delete")
+METHODS = ("write_file", "read_ranges", "read_file", "commit_file", "exists", "list_files",
+           "delete")
 _EREMOTEIO = getattr(errno, "EREMOTEIO", errno.EIO)
 
 
@@ -92,7 +93,8 @@ class FaultyStorage(StoragePlugin):
                  options: dict | None = None) -> None:
         super().__init__(checkpoint_id)
         if not checkpoint_id.startswith(PREFIX):
-            raise CheckpointError(f"{checkpoint_id!r}: a faulty checkpoint id starts with {PREFIX!r}")
+            raise CheckpointError(
+                f"{checkpoint_id!r}: a faulty checkpoint id starts with {PREFIX!r}")
         target = checkpoint_id[len(PREFIX):]
         if faults is None:
             faults = LOCAL_FAULTS if scheme_of(target) == "file" else REMOTE_FAULTS
@@ -111,7 +113,8 @@ class FaultyStorage(StoragePlugin):
         self.retry_policy = self.inner.retry_policy
         self.injected: collections.Counter = collections.Counter()
         self._calls: collections.Counter = collections.Counter()  # (method, name) -> calls
-        self._streak: collections.Counter = collections.Counter()  # (method, name) -> faults in a row
+        # (method, name) -> faults in a row
+        self._streak: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -148,7 +151,7 @@ class FaultyStorage(StoragePlugin):
             if kind == "timeout":
                 time.sleep(self.delay_s)
             error = _fault(kind, f"{self.inner.checkpoint_id}/{name}")
-            error.injected_fault = True
+            error.injected_fault = True  # type: ignore[attr-defined]
             raise error
 
     def is_transient(self, error: BaseException) -> bool:

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
-from typing import Iterable, Sequence, TypeVar
+from typing import TypeVar
 
 import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
 from fsspec.asyn import sync
 from s3fs.core import _error_wrapper  # s3fs's own retry-and-translate loop of its reads
 
-from storage_plugins.fsspec_store import MiB, FsspecStorage, named
+from storage_plugins.fsspec_store import FsspecStorage, MiB, named
 
 T = TypeVar("T")
 

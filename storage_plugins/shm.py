@@ -36,7 +36,8 @@ class ShmStorage(PosixStorage):
     """A checkpoint in shared memory: ``shm://name/path`` is the directory
     ``<root>/name/path``."""
 
-    def __init__(self, checkpoint_id: str, *, root: str = DEFAULT_ROOT, thread_count: int = 4) -> None:
+    def __init__(self, checkpoint_id: str, *, root: str = DEFAULT_ROOT,
+                 thread_count: int = 4) -> None:
         super().__init__(checkpoint_id, thread_count=thread_count, fsync=False)
         relative = PurePosixPath(checkpoint_id.removeprefix("shm://"))
         if not checkpoint_id.startswith("shm://") or relative.is_absolute() \

@@ -141,7 +141,7 @@ def test_two_hosts_posix_take_the_page_cache_once_per_host(ctx):
     _check_two_hosts(ctx, full, target, report, md, storage_once=2)
     ways = Counter(way for _, way, _ in report.paths)
     assert set(ways) == {"storage", "page_cache"}, report.paths
-    for ranks, way, nbytes in report.paths:
+    for _, way, nbytes in report.paths:
         assert way != "page_cache" or nbytes > 0
     # the other ranks of the host took it from the cache, not from storage
     cached = _gather(report.bytes_from_cache)

@@ -8,12 +8,12 @@ pattern of a Shard(0) -> Shard(1) load.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 import dcp
-import random
-
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.read_cost import ReadCost
 from dcp.core.read_plan import Request, Run, coalesce, largest_gap, whole_chunk_cheaper

@@ -16,10 +16,13 @@ transfer therefore always has all its members issuing it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dcp.errors import CheckpointError
 
 
 class ReplicaGroups:
@@ -28,7 +31,7 @@ class ReplicaGroups:
 
     def __init__(self, groups: list[tuple[int, ...]], process_group, world_size: int) -> None:
         self._groups: dict[tuple[int, ...], object] = {}
-        self._created: list[object] = []
+        self._created: list[Any] = []
         for ranks in groups:
             if len(ranks) == world_size:
                 self._groups[ranks] = process_group
@@ -48,7 +51,7 @@ class ReplicaGroups:
         """``src`` (a rank of the load's group) as a global rank."""
         return dist.get_global_rank(self._parent, src) if self._parent else src
 
-    def __enter__(self) -> "ReplicaGroups":
+    def __enter__(self) -> ReplicaGroups:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -62,7 +65,11 @@ def comm_device(process_group) -> torch.device:
     backend = str(dist.get_backend(process_group))
     if "gloo" in backend:
         return torch.device("cpu")
-    return torch.accelerator.current_accelerator()
+    device = torch.accelerator.current_accelerator()
+    if device is None:
+        raise CheckpointError(f"process group backend {backend!r} is not gloo, and torch finds "
+                              f"no accelerator to hold its broadcast buffers")
+    return device
 
 
 class Broadcaster:
@@ -72,7 +79,7 @@ class Broadcaster:
     def __init__(self, groups: ReplicaGroups, max_inflight_bytes: int) -> None:
         self.groups = groups
         self.limit = max_inflight_bytes
-        self.inflight: deque[tuple[object, int, Callable[[], None]]] = deque()
+        self.inflight: deque[tuple[Any, int, Callable[[], None]]] = deque()
         self.bytes = 0
 
     def start(self, ranks: tuple[int, ...], src: int, buffer: torch.Tensor,

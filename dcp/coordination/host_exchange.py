@@ -7,9 +7,10 @@ costs each byte a copy into the kernel, a copy out of it, and CPU on both
 ends.  Here the reading rank writes the region once into a file under
 ``/dev/shm`` (tmpfs: memory, no disk) and every other member maps it and
 copies straight into its target tensor: one copy per receiver, no socket
-(and, being a mapping, not counted as a read in ``/proc/self/io``).  Across hosts, and for accelerator targets (NCCL/HCCL), the load
-uses :mod:`dcp.coordination.broadcast` instead; the load planner marks which transfers
-go which way (:attr:`dcp.core.planner.Transfer.shared_memory`).
+(and, being a mapping, not counted as a read in ``/proc/self/io``).  Across
+hosts, and for accelerator targets (NCCL/HCCL), the load uses
+:mod:`dcp.coordination.broadcast` instead; the load planner marks which
+transfers go which way (:attr:`dcp.core.planner.Transfer.shared_memory`).
 
 Protocol, per transfer (named by a key every member derives from the plan):
 
