@@ -402,7 +402,7 @@ def test_exchange_payloads_are_json_and_never_unpickled():
     plan = SavePlan({"w": TensorDecl((4, 2), "float32")}, [WriteItem("w", (0, 0), (4, 2), 32)])
     value = ((plan, None), {("w", (0, 0)): 7}, b"\x00\xff", [1.5, None, "s"])
     data = wire.encode(value)
-    json.loads(data)  # plain JSON
+    json.loads(wire.body(data))  # JSON inside the versioned envelope
     assert wire.decode(data, "f") == value
     for crafted in (pickle.dumps(plan), b'{"c":"os.system","f":"true"}', b'{"t":[1],"d":[]}',
                     b'{"c":"SavePlan","f":{"d":[["tensors",{"d":[]}]]}}'):

@@ -107,7 +107,7 @@ class WriteResult:
     pickled: dict[str, bytes] = field(default_factory=dict)
 
 
-wire.register(WriteResult)
+wire.register(WriteResult, *wire.write_result_codec(WriteResult), columnar=True)
 
 
 def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
