@@ -32,6 +32,7 @@ device type is hard-coded.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -209,11 +210,19 @@ def materialize(value: Any, dtype: str) -> Any:
         return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt), value.global_shape,
                            value.global_offsets)
     if isinstance(value, ShardedTensor):
+        from torch.distributed import _remote_device
+        from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard
 
-        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt), s.metadata)
+        def on_host(m: ShardMetadata) -> ShardMetadata:
+            rank = m.placement.rank() if m.placement is not None else None
+            return ShardMetadata(m.shard_offsets, m.shard_sizes,
+                                 _remote_device(f"rank:{rank}/cpu"))
+
+        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt), on_host(s.metadata))
                   for s in value.local_shards()]
-        metadata = value.metadata()
+        metadata = copy.deepcopy(value.metadata())
+        metadata.shards_metadata = [on_host(m) for m in metadata.shards_metadata]
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)

@@ -167,7 +167,7 @@ class _Load:
     #: Called with the metadata before planning, inside the planning step
     #: (so what it raises fails the load on every rank): :func:`load` sets
     #: it to materialize meta-device targets (:mod:`dcp.orchestration.targets`).
-    before_planning: Callable[[Metadata], None] | None = None
+    before_planning: Callable[[Metadata | None], None] | None = None
 
     def local_plan(self) -> LoadPlan:
         if self.before_planning is not None:
@@ -596,6 +596,7 @@ class _Load:
             saved = self.metadata.objects.get(fqn)
             if saved is None:
                 continue
+            value: Any
             if saved.raw is not None:  # raw bytes, never unpickled
                 blob = self._read_blob(fqn, saved.raw, "raw")
                 value = io.BytesIO(blob) if saved.raw_type == "BytesIO" else bytes(blob)
