@@ -4,8 +4,8 @@ Metadata is the contract between save and load.  For every tensor it records
 the global shape and dtype, and for every saved chunk its global offsets and
 sizes, the data file and byte range holding it (row-major, C order), the
 writing rank and a CRC-32C checksum of its bytes.  Non-tensor values are stored
-inline as JSON, or (only when the caller opted in) as pickled bytes in a data
-file.
+inline as JSON, ``bytes`` and ``io.BytesIO`` values as raw blobs in a data
+file, or (only when the caller opted in) as pickled bytes in a data file.
 
 The encoding is versioned JSON: decoding it can never execute code (contrast
 PyTorch DCP's pickled ``.metadata``).  :func:`decode` validates every field and
@@ -28,7 +28,15 @@ import zstandard
 from dcp.errors import CorruptCheckpointError
 
 FORMAT = "hyperdcp"
-VERSION = 1
+#: The newest format version this build reads and writes.  A document is
+#: written with the lowest version that expresses it (:func:`min_version`),
+#: so builds that read only version 1 still read every checkpoint without
+#: raw blobs; they refuse the others cleanly, by their version.
+#: Version 2 adds raw blobs (``"raw"`` object entries).
+VERSION = 2
+READ_VERSIONS = (1, 2)
+#: The types a raw blob loads back as (:attr:`ObjectMeta.raw_type`).
+RAW_TYPES = ("bytes", "BytesIO")
 METADATA_FILE = "metadata.json"
 CHECKSUM = "crc32c"
 #: The chunk table's checksum for a chunk that has none (``ChunkMeta.checksum
@@ -200,7 +208,7 @@ class _ChunkTable:
 
 @dataclass(frozen=True)
 class BlobRef:
-    """Bytes of a pickled non-tensor value inside a data file."""
+    """Bytes of a non-tensor value (raw or pickled) inside a data file."""
 
     file: str
     byte_offset: int
@@ -210,10 +218,19 @@ class BlobRef:
 
 @dataclass
 class ObjectMeta:
-    """A non-tensor value: inline JSON ``value``, or a ``pickled`` blob."""
+    """A non-tensor value: inline JSON ``value``, a ``raw`` blob (``bytes``
+    or ``io.BytesIO``, as ``raw_type`` says; never unpickled), or a
+    ``pickled`` blob."""
 
     value: Any = None
     pickled: BlobRef | None = None
+    raw: BlobRef | None = None
+    raw_type: str = "bytes"
+
+    @property
+    def blob(self) -> BlobRef | None:
+        """Where its bytes lie in a data file (raw or pickled), if anywhere."""
+        return self.raw if self.raw is not None else self.pickled
 
 
 @dataclass
@@ -227,12 +244,12 @@ class Metadata:
     world_size: int
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
-    version: int = VERSION
+    version: int = 1
 
     def files(self) -> set[str]:
         """Names (relative to the checkpoint root) of every data file used."""
         names = set().union(*(t.files() for t in self.tensors.values()))
-        names.update(o.pickled.file for o in self.objects.values() if o.pickled)
+        names.update(o.blob.file for o in self.objects.values() if o.blob)
         return names
 
     def fqns(self) -> list[str]:
@@ -310,8 +327,8 @@ def encode(md: Metadata) -> bytes:
         start += count
     flush()
     for o in md.objects.values():
-        if o.pickled is not None:
-            index.setdefault(o.pickled.file, len(index))
+        if o.blob is not None:
+            index.setdefault(o.blob.file, len(index))
     files = sorted(index)
     order = np.empty(max(1, len(index)), dtype=np.int64)  # first-seen index -> sorted index
     order[[index[f] for f in files]] = np.arange(len(files), dtype=np.int64)
@@ -323,14 +340,18 @@ def encode(md: Metadata) -> bytes:
                                   else np.zeros(0, np.int64))
     objects = {}
     for fqn, o in md.objects.items():
-        if o.pickled is not None:
+        if o.raw is not None:
+            b = o.raw
+            objects[fqn] = {"raw": [index[b.file], b.byte_offset, b.nbytes, b.checksum],
+                            "type": o.raw_type}
+        elif o.pickled is not None:
             b = o.pickled
             objects[fqn] = {"pickled": [index[b.file], b.byte_offset, b.nbytes, b.checksum]}
         else:
             objects[fqn] = {"value": o.value}
     doc = {
         "format": FORMAT,
-        "version": md.version,
+        "version": max(md.version, min_version(md)),
         "checksum": CHECKSUM,
         "save_id": md.save_id,
         "world_size": md.world_size,
@@ -340,6 +361,12 @@ def encode(md: Metadata) -> bytes:
         "objects": objects,
     }
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+
+
+def min_version(md: Metadata) -> int:
+    """The lowest format version that expresses ``md``: 2 if it holds raw
+    blobs, else 1."""
+    return 2 if any(o.raw is not None for o in md.objects.values()) else 1
 
 
 def _fail(where: str, problem: str) -> NoReturn:
@@ -418,6 +445,7 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     Raises :class:`~dcp.errors.CorruptCheckpointError` naming ``where`` and
     the problem for anything that is not a well-formed version-1 document;
     memory allocated is bounded by a small multiple of ``len(data)``.
+    Versions 1 and 2 are read (:data:`READ_VERSIONS`).
     """
     try:
         doc = json.loads(data)
@@ -427,8 +455,9 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     if doc.get("format") != FORMAT:
         _fail(where, f"format is {doc.get('format')!r:.40}, expected {FORMAT!r}")
     version: Any = doc.get("version")  # a JSON value, checked just below
-    if version != VERSION:
-        _fail(where, f"unsupported version {version!r:.40} (this build reads {VERSION})")
+    if type(version) is not int or version not in READ_VERSIONS:
+        _fail(where, f"unsupported version {version!r:.40} (this build reads versions "
+                     f"{', '.join(map(str, READ_VERSIONS))})")
     if doc.get("checksum") != CHECKSUM:
         _fail(where, f"unsupported checksum {doc.get('checksum')!r:.40}")
     save_id = doc.get("save_id")
@@ -492,18 +521,25 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
             _fail(ctx, f"file index {i} out of range ({len(files)} files)")
         return files[i]
 
+    def blob_ref(p, what: str, ctx: str) -> BlobRef:
+        if not isinstance(p, list) or len(p) != 4:
+            _fail(ctx, f"{what} must be [file_index, byte_offset, nbytes, checksum]")
+        return BlobRef(file=file_at(p[0], ctx), byte_offset=_int(p[1], ctx, "byte offset"),
+                       nbytes=_int(p[2], ctx, "nbytes"),
+                       checksum=_int(p[3], ctx, "checksum", 0, 2**32))
+
     for fqn, o in _dict(doc.get("objects"), where, "objects").items():
         ctx = f"{where}: object {fqn!r:.200}"
         o = _dict(o, ctx, "object entry")
-        if "pickled" in o:
-            p = o["pickled"]
-            if not isinstance(p, list) or len(p) != 4:
-                _fail(ctx, "pickled must be [file_index, byte_offset, nbytes, checksum]")
-            md.objects[fqn] = ObjectMeta(pickled=BlobRef(
-                file=file_at(p[0], ctx), byte_offset=_int(p[1], ctx, "byte offset"),
-                nbytes=_int(p[2], ctx, "nbytes"), checksum=_int(p[3], ctx, "checksum", 0, 2**32)))
+        if "raw" in o and version >= 2:
+            raw_type = o.get("type")
+            if raw_type not in RAW_TYPES:
+                _fail(ctx, f"raw type {raw_type!r:.40} is not one of {', '.join(RAW_TYPES)}")
+            md.objects[fqn] = ObjectMeta(raw=blob_ref(o["raw"], "raw", ctx), raw_type=raw_type)
+        elif "pickled" in o:
+            md.objects[fqn] = ObjectMeta(pickled=blob_ref(o["pickled"], "pickled", ctx))
         elif "value" in o:
             md.objects[fqn] = ObjectMeta(value=o["value"])
         else:
-            _fail(ctx, "object entry has neither 'value' nor 'pickled'")
+            _fail(ctx, "object entry has none of 'value', 'raw' (version 2) and 'pickled'")
     return md

@@ -25,6 +25,7 @@ as orphaned by ``hyperdcp list`` and ``hyperdcp verify``, and deleted by
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import re
@@ -39,7 +40,7 @@ from typing import Any, cast
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
-from dcp.core import tensors
+from dcp.core import stateful, tensors
 from dcp.core.metadata import (
     METADATA_FILE,
     BlobRef,
@@ -50,6 +51,7 @@ from dcp.core.metadata import (
     checksum,
     decode,
     encode,
+    min_version,
 )
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.core.state_dict import flatten
@@ -179,22 +181,55 @@ def delete_stale(storage: StoragePlugin, keep: set[str], owned: Callable[[str], 
                       f"checkpoint's data files: {e}", stacklevel=2)
 
 
+#: How a raw blob (a ``bytes`` or ``io.BytesIO`` value) is told apart from a
+#: pickle among a rank's blobs (:attr:`SaveState.pickled`): this prefix, its
+#: type name and a NUL byte lead its bytes.  A pickle never starts with NUL.
+RAW_TAG = b"\0hyperdcp-raw\0"
+
+
+def raw_blob(value: bytes | io.BytesIO) -> bytes:
+    """A ``bytes`` or ``io.BytesIO`` value as a tagged raw blob (the whole
+    buffer of a BytesIO, whatever its position)."""
+    if isinstance(value, io.BytesIO):
+        return RAW_TAG + b"BytesIO\0" + value.getvalue()
+    return RAW_TAG + b"bytes\0" + bytes(value)
+
+
+def split_raw(blob: bytes) -> tuple[str, bytes] | None:
+    """``(type name, bytes)`` of a tagged raw blob; ``None`` for a pickle."""
+    if not blob.startswith(RAW_TAG):
+        return None
+    kind, _, data = blob[len(RAW_TAG):].partition(b"\0")
+    return kind.decode(), data
+
+
 def place_pickled(name: str, blobs: dict[str, bytes], md: Metadata) -> list[bytes]:
-    """Record in ``md.objects`` that the pickled values ``blobs`` (fqn ->
-    bytes) lie one after the other in the data file ``name``; returns the
-    buffers to write there."""
-    offset = 0
+    """Record in ``md.objects`` that the blobs ``blobs`` (fqn -> bytes:
+    pickles, or raw blobs tagged by :func:`raw_blob`, stored untagged) lie
+    one after the other in the data file ``name``; returns the buffers to
+    write there."""
+    offset, buffers = 0, []
     for fqn, blob in blobs.items():
-        md.objects[fqn] = ObjectMeta(pickled=BlobRef(name, offset, len(blob), checksum(blob)))
-        offset += len(blob)
-    return list(blobs.values())
+        raw = split_raw(blob)
+        data = blob if raw is None else raw[1]
+        ref = BlobRef(name, offset, len(data), checksum(data))
+        md.objects[fqn] = (ObjectMeta(pickled=ref) if raw is None
+                           else ObjectMeta(raw=ref, raw_type=raw[0]))
+        md.version = max(md.version, min_version(md))
+        buffers.append(data)
+        offset += len(data)
+    return buffers
 
 
 def encode_object(fqn: str, value: Any, allow_pickle: bool) -> str | bytes:
-    """A non-tensor value as JSON text (``str``), or pickled ``bytes`` if the
-    caller opted in; raises :class:`CheckpointError` naming ``fqn`` otherwise."""
+    """A non-tensor value as JSON text (``str``), a ``bytes`` or
+    ``io.BytesIO`` value as a raw blob (:func:`raw_blob`, never pickled), or
+    anything else pickled (``bytes``) if the caller opted in; raises
+    :class:`CheckpointError` naming ``fqn`` otherwise."""
     if _is_json(value):
         return json.dumps(value, sort_keys=True, allow_nan=True)
+    if type(value) is bytes or isinstance(value, io.BytesIO):
+        return raw_blob(value)
     if not allow_pickle:
         raise CheckpointError(
             f"{fqn!r}: a value of type {type(value).__name__} is not JSON-representable; "
@@ -229,7 +264,8 @@ class SaveState:
     (box and data: the caller's tensors for :func:`save`, staged host copies
     for :func:`dcp.async_save`), each chunk's replica slot (see
     :func:`dcp.core.tensors.replica_slot`), and its non-tensor values encoded as
-    JSON text or, if the caller allowed it, pickled bytes."""
+    JSON text, or as blobs in ``pickled``: raw ``bytes`` / ``io.BytesIO``
+    values (:func:`raw_blob`) and, if the caller allowed it, pickles."""
 
     chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = field(default_factory=dict)
     slots: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
@@ -241,14 +277,17 @@ def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
                    world_size: int = 1) -> SaveState:
     """Flatten ``state_dict`` into a :class:`SaveState` whose chunks refer to
     the caller's tensors (no copy); ``rank`` of ``world_size`` places the
-    caller for the replica slots.  Raises :class:`CheckpointError` naming the
-    fqn for an unsupported leaf."""
+    caller for the replica slots.  Stateful values are saved as what their
+    ``state_dict()`` returns now (:mod:`dcp.core.stateful`).  Raises
+    :class:`CheckpointError` naming the fqn for an unsupported leaf."""
     state = SaveState()
-    for fqn, leaf in flatten(state_dict, tensors.is_tensor).items():
+    resolved = stateful.resolve(state_dict, tensors.is_tensor).state_dict
+    for fqn, leaf in flatten(resolved, tensors.is_tensor).items():
         if tensors.is_tensor(leaf.value):
-            chunk = tensors.describe(fqn, leaf.value)
-            state.chunks[(fqn, chunk.offsets)] = chunk
-            state.slots[(fqn, chunk.offsets)] = tensors.replica_slot(leaf.value, rank, world_size)
+            for chunk in tensors.describe_chunks(fqn, leaf.value):
+                state.chunks[(fqn, chunk.offsets)] = chunk
+                state.slots[(fqn, chunk.offsets)] = tensors.replica_slot(
+                    leaf.value, rank, world_size)
         else:
             encoded = encode_object(fqn, leaf.value, allow_pickle)
             if isinstance(encoded, str):
@@ -428,9 +467,15 @@ class _Save:
         for fqn, (_, text) in texts.items():
             md.objects[fqn] = ObjectMeta(value=json.loads(text))
         blobs: dict[str, bytes] = {}
-        for result in results:
+        holders: dict[str, int] = {}
+        for rank, result in enumerate(results):
             for fqn, blob in result.pickled.items():
-                blobs.setdefault(fqn, blob)  # pickles of equal objects may differ: lowest rank's
+                kept = blobs.setdefault(fqn, blob)  # pickles of equal objects may differ
+                holders.setdefault(fqn, rank)
+                if kept is not blob and split_raw(blob) is not None and kept != blob:
+                    raise CheckpointError(
+                        f"{fqn!r}: ranks {holders[fqn]} and {rank} hold different bytes; "
+                        f"give per-rank values distinct keys")
         if blobs:
             name = f"{data_file_prefix(self.coord.rank)}objects.{save_id}{DATA_SUFFIX}"
             self.written.append(name)
