@@ -251,7 +251,7 @@ def _gloo_rank(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, 
     byte counts."""
     import torch.distributed as dist
 
-    plans, results = _payloads(128)  # one DP group of the scale layout per process
+    plans, results = _payloads(world_size)
     compute: dict[str, float] = {}
     dist.barrier()
     coord = Coordinator()

@@ -137,7 +137,7 @@ class CoordinatorBase(abc.ABC):
         the ``global_fn`` raised."""
         n = self._next_step()
         local, failure, exc = _capture(self.rank, local_fn)
-        gathered = self._transport(phase, lambda: self._gather(n, phase, (local, failure)))
+        gathered = self._transport(phase, lambda: self._gather(n, phase, (local, failure)), n)
         shared = False
         reply: Any = None  # (value, failures) for every rank, or one such pair per rank
         if self.is_coordinator:
@@ -152,20 +152,29 @@ class CoordinatorBase(abc.ABC):
                 reply = [(v, None) for v in answer.values]
             else:
                 shared, reply = True, (answer, None)
-        value, failures = self._transport(phase, lambda: self._reply(n, phase, shared, reply))
+        value, failures = self._transport(phase, lambda: self._reply(n, phase, shared, reply), n)
         if failures:
             self._raise(phase, failures, exc)
         return value
 
-    def _transport(self, phase: str, fn: Callable[[], Any]) -> Any:
-        """``fn()``, a transport primitive; its failure (a peer that died or
-        timed out, a broken connection) becomes a :class:`CheckpointError`
-        naming this rank and the phase."""
+    def _transport(self, phase: str, fn: Callable[[], Any], step: int = -1) -> Any:
+        """``fn()``, a transport primitive of step ``step``; its failure (a
+        peer that died or timed out, a broken connection) becomes a
+        :class:`CheckpointError` naming this rank and the phase.  At the
+        first step the usual cause is a call on some ranks only (``if rank
+        == 0:``), and the message says so."""
         try:
             return fn()
         except CheckpointError:
             raise
         except Exception as e:
+            if step == 0 and self.world_size > 1:
+                raise CheckpointError(
+                    f"{phase}: rank {self.rank} lost contact with the other ranks at the first "
+                    f"step of the call: the others may never have joined; was it called on rank "
+                    f"{self.rank} only (e.g. under `if rank == 0:`)? dcp.save, dcp.load and "
+                    f"dcp.async_save are collective: every rank of the group calls them (else "
+                    f"a rank died, hung or timed out): {type(e).__name__}: {e}") from e
             raise CheckpointError(
                 f"{phase}: rank {self.rank} lost contact with the other ranks (a rank died, "
                 f"hung or timed out): {type(e).__name__}: {e}") from e
@@ -197,7 +206,7 @@ class CoordinatorBase(abc.ABC):
             value, failure, exc = _capture(self.rank, fn)
             reply = (None, [failure]) if failure else (value, None)
         value, failures = self._transport(
-            phase, lambda: self._reply(n, phase, self.is_coordinator, reply))
+            phase, lambda: self._reply(n, phase, self.is_coordinator, reply), n)
         if failures:
             self._raise(phase, failures, exc)
         return value
@@ -223,6 +232,24 @@ def coordination_group(process_group: Any = None) -> Any:
     return _gloo_groups[members]
 
 
+def _outgoing(value: Any) -> Any:
+    """``value`` in :mod:`dcp.coordination.wire`'s encoding (``bytes``), or
+    as it is where it holds a type wire does not know (a load's plans:
+    object collectives pickle it between the job's own processes)."""
+    try:
+        return wire.encode(value)
+    except TypeError:
+        return value
+
+
+def _incoming(data: Any, where: str) -> Any:
+    return wire.decode(data, where) if isinstance(data, bytes) else data
+
+
+def _size(data: Any) -> int:
+    return len(data) if isinstance(data, bytes) else 0
+
+
 class Coordinator(CoordinatorBase):
     """Runs the steps over ``process_group`` (the default group if ``None``)
     with ``torch.distributed`` object collectives on gloo (a gloo group of the
@@ -230,8 +257,9 @@ class Coordinator(CoordinatorBase):
     :func:`coordination_group`), or locally when torch.distributed is not
     initialized.
 
-    What travels is :mod:`dcp.coordination.wire`'s compact encoding (bytes),
-    never a pickle of the objects: a local plan of the 505B layout of
+    What travels is :mod:`dcp.coordination.wire`'s compact encoding (bytes)
+    where the payload allows (every step of a save; a load's plans go as
+    objects): a local plan of the 505B layout of
     ``benchmarks/scale.py`` is about 1 KB, a write result about 2 KB.
     :attr:`stats` counts the bytes: ``gathered_bytes`` (the payloads that
     reached the coordinator), ``gathered_padded_bytes`` (what the gather
@@ -262,16 +290,16 @@ class Coordinator(CoordinatorBase):
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(wire.encode(obj), out, group=self.group, group_dst=0)
+        dist.gather_object(_outgoing(obj), out, group=self.group, group_dst=0)
         if out is None:
             return None
-        sizes = [len(b) for b in out]
+        sizes = [_size(b) for b in out]
         self.stats["gathered_bytes"] += sum(sizes)
         self.stats["gathered_padded_bytes"] += max(sizes) * len(sizes)
         parts = []
         for rank, data in enumerate(out):
             try:
-                parts.append(wire.decode(data, f"rank {rank}'s part of {phase}"))
+                parts.append(_incoming(data, f"rank {rank}'s part of {phase}"))
             except CheckpointError as e:
                 parts.append((None, failure_of(rank, str(e))))
         return parts
@@ -280,20 +308,24 @@ class Coordinator(CoordinatorBase):
         if not self.distributed:
             return value if shared else value[0]
         where = f"the coordinator's answer to {phase}"
-        header = wire.encode(value) if self.is_coordinator and shared else None
+        header = _outgoing(value) if self.is_coordinator and shared else None
         box = [(shared, header)]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
         shared, header = box[0]
-        if self.is_coordinator and header is not None:
-            self.stats["sent_bytes"] += len(header) * (self.world_size - 1)
+        if self.is_coordinator:
+            self.stats["sent_bytes"] += _size(header) * (self.world_size - 1)
         if shared:
-            return value if self.is_coordinator else wire.decode(header, where)
-        parts = wire.encode_many(value) if self.is_coordinator else None
-        if parts is not None:
-            self.stats["sent_bytes"] += sum(len(p) for p in parts[1:])
+            return value if self.is_coordinator else _incoming(header, where)
+        parts = None
+        if self.is_coordinator:
+            try:
+                parts = wire.encode_many(value)
+            except TypeError:
+                parts = value
+            self.stats["sent_bytes"] += sum(_size(p) for p in parts[1:])
         out: list[Any] = [None]
         dist.scatter_object_list(out, parts, group=self.group, group_src=0)
-        return value[0] if self.is_coordinator else wire.decode(out[0], where)
+        return value[0] if self.is_coordinator else _incoming(out[0], where)
 
 
 class LocalCoordinator(CoordinatorBase):
