@@ -336,7 +336,7 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.coordination",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", nargs="+", type=int, default=[512, 2048, 10240],
+    parser.add_argument("--ranks", nargs="*", type=int, default=[512, 2048, 10240],
                         help="simulated ranks of the file-flag protocol")
     parser.add_argument("--stores", nargs="+", choices=("posix", "s3"), default=["posix", "s3"])
     parser.add_argument("--gloo", nargs="*", type=int, default=[2, 4, 8],
