@@ -176,3 +176,73 @@ def test_cli_names_its_flags_has_a_version_and_plain_help(tmp_path, capsys):
         hyperdcp(["--help"])
     out = capsys.readouterr().out
     assert "``" not in out and ":mod:" not in out, out
+
+
+# ------------------------------------------------------ async-save worker
+HEADER = """
+import multiprocessing, sys, time, torch, dcp
+state = {"w": torch.ones(4)}
+"""
+SCRIPTS = {
+    # no guard at all: refused before a worker is spawned
+    "unguarded": HEADER + "print(dcp.async_save(state, sys.argv[1]).result(120))\n",
+    # a guard, but the save also at top level: the worker re-running it exits at once
+    "save_outside_guard": HEADER + "r = dcp.async_save(state, sys.argv[1])\n"
+                          "if __name__ == '__main__':\n    print(r.result(120))\n",
+    # a guard, but top-level code that blocks in the worker (init_process_group, training)
+    "blocks_outside_guard": HEADER + "if multiprocessing.current_process().name != 'MainProcess':\n"
+                            "    time.sleep(600)\n"
+                            "if __name__ == '__main__':\n"
+                            "    r = dcp.async_save(state, sys.argv[1], timeout=10)\n"
+                            "    print(r.result(120))\n",
+}
+
+
+def test_async_save_from_a_script_the_worker_would_rerun_fails_fast_saying_what_to_add(tmp_path):
+    procs = {}
+    for name, text in SCRIPTS.items():
+        (tmp_path / f"{name}.py").write_text(text)
+        procs[name] = (time.monotonic(), subprocess.Popen(
+            [sys.executable, f"{name}.py", str(tmp_path / f"ckpt-{name}")], cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}))
+    for name, (started, proc) in procs.items():
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"{name}: still waiting after 90 s")
+        assert proc.returncode != 0, name
+        assert 'if __name__ == "__main__":' in err, (name, err[-2000:])
+        assert "CheckpointError" in err, (name, err[-2000:])
+        if name == "blocks_outside_guard":
+            assert "within timeout=10 s" in err, err[-2000:]
+        assert time.monotonic() - started < 80, name
+
+
+RANK0_ONLY = """
+import datetime, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+import dcp
+def run(rank, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    if rank == 0:  # the mistake: a collective call on rank 0 only; rank 1 goes on and exits
+        started = time.monotonic()
+        try:
+            dcp.save({"w": torch.ones(2)}, f"{path}/ckpt")
+        except dcp.CheckpointError as e:
+            print(f"ERROR after {time.monotonic() - started:.1f} s: {e}", flush=True)
+        dist.destroy_process_group()
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_save_called_on_rank_0_only_says_so(tmp_path):
+    (tmp_path / "rank0.py").write_text(RANK0_ONLY)
+    done = subprocess.run([sys.executable, "rank0.py", str(tmp_path)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    line = next(x for x in done.stdout.splitlines() if x.startswith("ERROR"))
+    assert "called on rank 0 only" in line and "collective" in line, line
+    assert float(line.split()[2]) < 30, line  # not the process group's 60 s timeout

@@ -40,7 +40,10 @@ once every rank's ``result()`` has returned, and a failed rank leaves it
 refused as incomplete.
 
 The worker is a spawned process, so the training script must guard its
-entry point with ``if __name__ == "__main__":``, as for any spawned process.
+entry point with ``if __name__ == "__main__":``, as for any spawned process:
+a script without that block fails the first save at once, saying so, and a
+worker that re-runs the script's top-level code (which blocks in
+``init_process_group`` or trains) fails it within ``timeout``.
 """
 
 from __future__ import annotations
@@ -59,8 +62,16 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from dcp.asynchronous import worker as worker_module
 from dcp.asynchronous.staging import Layout, Stager
-from dcp.asynchronous.worker import Outcome, Rendezvous, SaveJob, WorkerHandle
+from dcp.asynchronous.worker import (
+    Outcome,
+    Rendezvous,
+    SaveJob,
+    WorkerHandle,
+    refuse_main_rerun,
+    unguarded_main,
+)
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.plan_cache import PlanCache
 from dcp.core.metadata import Metadata
@@ -280,12 +291,17 @@ class _Saver:
         """Submit ``job`` to the worker (spawning one if needed, sending the
         staging buffer only if this worker lacks it) and wait for its outcome."""
         if self.worker is None:
+            script = unguarded_main()
+            if script is not None:  # the spawned worker would re-run the training
+                raise CheckpointError(f"rank {self.rank}: async save of {job.checkpoint_id!r}: "
+                                      f"{worker_module._rerun_advice(script)}")
             self.worker, self.worker_layout = WorkerHandle(), None
             job = replace(job, plan_entries=list(self.plans.entries.values()))
         layout = job.layout
         if layout is self.worker_layout:
             job = replace(job, layout=None)
         try:
+            self.worker.wait_started(job.timeout)
             try:
                 self.worker.submit(job)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -313,6 +329,7 @@ _lock = threading.Lock()
 
 
 def _saver_for(process_group) -> _Saver:
+    refuse_main_rerun()  # in a worker re-running an unguarded script: exit, do not recurse
     with _lock:
         saver = _savers.get(process_group)
         if saver is None:
@@ -347,8 +364,11 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
             host) copies finish; they complete in the background.
         callback: called with the response once the save committed or
             failed, on a library thread.
-        timeout: seconds any rank's background process waits for the others
-            at one coordination step before the save fails.
+        timeout: seconds any wait of the save may last before it fails: the
+            trainer's for a new background process to start (seconds: Python
+            and ``import torch``), and each background process's for the
+            others at one coordination step (at a first save, that includes
+            the others' start).  Writing itself is not bounded.
 
     Returns:
         An :class:`AsyncSaveResponse`.

@@ -38,8 +38,11 @@ back 0.4 s, 0.99×).  A staging failure is reported there, before any write.
 
 from __future__ import annotations
 
+import ast
 import datetime
+import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,9 +65,11 @@ from dcp.errors import CheckpointError
 from dcp.orchestration.gc_pause import gc_paused
 from dcp.orchestration.save import SaveState, _Save
 
-#: Seconds a (re)built gloo group waits for every rank's worker to arrive
-#: (at least): covers spawning a replacement worker on a loaded machine.
-RENDEZVOUS_S = 300.0
+#: The exit code of a worker that found itself re-running the training
+#: script's unguarded code (:func:`refuse_main_rerun`).
+EXIT_MAIN_RERUN = 86
+#: The name of every worker process.
+WORKER_NAME = "dcp-async-save"
 
 #: How much lower than the trainer's the worker's CPU priority is: it takes
 #: the CPU time the trainer leaves idle and yields as soon as the trainer
@@ -125,15 +130,97 @@ class Outcome:
     plan_entry: CacheEntry | None = None
 
 
+def unguarded_main() -> str | None:
+    """The training script a spawned worker would re-run if it has no
+    ``if __name__ == "__main__":`` block, else ``None``.
+
+    Spawning re-imports the parent's ``__main__`` module (by path, or by
+    name for ``python -m``) in the child as ``__mp_main__``; a script without
+    the guard then runs its training code again there (``init_process_group``,
+    the training loop, the save), and the worker never starts."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name is not None and (name == "__main__" or name.endswith(".__main__")):
+        return None  # spawn does not re-run a package's __main__
+    path = getattr(spec, "origin", None) if name else getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or not os.path.isfile(path):
+        return None  # interactive, -c, a notebook: nothing is re-run
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) \
+                and "__main__" in ast.unparse(node.test):
+            return None
+    runs = [n for n in tree.body if not isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef,
+                                                       ast.AsyncFunctionDef, ast.ClassDef))
+            and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    return str(path) if runs else None
+
+
+def refuse_main_rerun() -> None:
+    """In a worker still importing the training script's ``__main__`` module
+    (its code outside ``if __name__ == "__main__":`` calls
+    :func:`dcp.async_save` again): exit at once with
+    :data:`EXIT_MAIN_RERUN`, which the trainer reports, instead of training
+    a second copy of the job."""
+    process = multiprocessing.current_process()
+    if process.name == WORKER_NAME and getattr(process, "_inheriting", False):
+        print("hyperdcp: the async-save worker is re-running the training script's top-level "
+              "code: put it under `if __name__ == \"__main__\":`", file=sys.stderr)
+        os._exit(EXIT_MAIN_RERUN)
+
+
+def _rerun_advice(path: str | None = None) -> str:
+    script = f"the training script {path!r}" if path else "the training script"
+    return (f"{script} must guard its entry point with `if __name__ == \"__main__\":` (the "
+            f"async-save worker is a spawned process, which re-imports the script's main "
+            f"module and so re-runs any code outside that block: init_process_group, "
+            f"training, the save itself)")
+
+
 class WorkerHandle:
-    """The trainer's side of one worker process (spawned on construction)."""
+    """The trainer's side of one worker process (spawned on construction;
+    :meth:`wait_started` waits for it to be ready)."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_main, args=(child,), name="dcp-async-save", daemon=True)
+        self.process = ctx.Process(target=_main, args=(child,), name=WORKER_NAME, daemon=True)
         self.process.start()
         child.close()
+        self.started = False
+
+    def wait_started(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the worker to be ready (to
+        have imported torch and hyperdcp); raises :class:`CheckpointError`,
+        the worker killed, if it died or is not ready by then."""
+        if self.started:
+            return
+        ready = wait_ready([self._conn, self.process.sentinel], timeout)
+        if self._conn in ready:
+            try:
+                self._conn.recv()  # its "ready"
+                self.started = True
+                return
+            except (EOFError, OSError):
+                pass
+        alive = self.process.is_alive()
+        if alive:
+            self.process.kill()
+        self.process.join(5)
+        if self.process.exitcode == EXIT_MAIN_RERUN:
+            raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) "
+                                  f"re-ran the training script's code: {_rerun_advice()}")
+        what = (f"did not start within timeout={timeout:g} s" if alive
+                else f"died while starting (exit code {self.process.exitcode})")
+        raise CheckpointError(
+            f"the async-save worker process (pid {self.process.pid}) {what}; if the training "
+            f"script's code outside `if __name__ == \"__main__\":` blocks or trains, the "
+            f"spawned worker runs it again: {_rerun_advice()}. Starting a worker (Python, "
+            f"import torch) takes seconds; on a loaded machine pass a larger timeout")
 
     def submit(self, job: SaveJob) -> None:
         """Send ``job`` (a small message, plus the buffer's descriptor when
@@ -176,6 +263,7 @@ class WorkerHandle:
 def _main(conn) -> None:
     torch.set_num_threads(1)
     os.nice(NICENESS)
+    conn.send("ready")
     worker = _Worker()
     while True:
         try:
@@ -258,7 +346,7 @@ class _Worker:
         rendezvous, rank, world_size = job.rendezvous, job.rank, job.world_size
         if rendezvous is None:  # the trainer found no store to share; job.error says why
             raise job.error or CheckpointError(f"rank {rank}: no rendezvous store for the group")
-        arrival = datetime.timedelta(seconds=max(job.timeout, RENDEZVOUS_S))
+        arrival = datetime.timedelta(seconds=job.timeout)
         if self.store is None:
             kind, *where = rendezvous.store
             if kind == "tcp":
@@ -278,15 +366,17 @@ class _Worker:
                 for key in ("rebuild", "arrived", "go"):
                     self.store.delete_key(f"save{job.seq - 1}/{key}")
         # a peer whose worker died mid-save fails this one within the
-        # coordination timeout; a new worker here allows for spawning peers
+        # coordination timeout, which also covers starting the peers' workers
         try:
-            self.store.wait([f"{meet}/go"], datetime.timedelta(seconds=job.timeout)
-                            if healthy else arrival)
+            self.store.wait([f"{meet}/go"], arrival)
         except Exception as e:  # the store's timeout error names no rank
+            starting = ("" if healthy else "; a first save (or one after a failure) also waits "
+                        "for every rank's worker process to start, which takes seconds: pass a "
+                        "larger timeout if that is slower here")
             raise CheckpointError(
                 f"rank {rank}: not every rank's background process arrived for save "
-                f"{job.seq} of this job within {job.timeout if healthy else arrival.seconds} s "
-                f"({type(e).__name__}: {e})") from e
+                f"{job.seq} of this job within timeout={job.timeout:g} s (did every rank call "
+                f"dcp.async_save?{starting}) ({type(e).__name__}: {e})") from e
         if not self.store.add(f"{meet}/rebuild", 0):
             return
         if dist.is_initialized():
