@@ -6,14 +6,19 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install demo test bench lint
+.PHONY: install install-base demo test bench lint
 
-install:
+# what the demo needs: torch and hyperdcp with its own dependencies only
+install-base:
 	$(PIP) torch==2.13.0
+	$(PIP) -e .
+
+# what the tests need besides: the test extra and the example (sqlite) plugin
+install: install-base
 	$(PIP) -e '.[test]'
 	$(PIP) -e tests/plugin_pkg
 
-demo: install
+demo: install-base
 	$(PY) -m dcp demo
 
 test: install

@@ -108,7 +108,7 @@ def test_verify_lists_every_damaged_piece_and_exits_3(ckpt, capsys):
     code, out, _ = _run(capsys, "verify", str(ckpt))
     assert code == 3 and "DAMAGED" in out and "metadata.json" in out
     code, _, err = _run(capsys, "verify", str(ckpt.parent / "nothing"))
-    assert code == 1 and "holds no checkpoint" in err
+    assert code == 1 and "is not a checkpoint" in err and "does not exist" in err, err
 
 
 def test_diff_names_what_differs_and_by_how_much(ckpt, tmp_path, capsys):

@@ -355,8 +355,10 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _report(work: Path, save_step: int) -> bool:
-    """Print sizes, timings and the loss comparison; return whether every check passed."""
+def _report(work: Path, save_step: int, kept: bool = True) -> bool:
+    """Print sizes, timings and the loss comparison; return whether every check
+    passed.  ``kept``: whether ``work`` outlives the demo (else the report says
+    that the checkpoint is removed instead of naming a path about to vanish)."""
     a = json.loads((work / "phase_a.json").read_text())
     b = json.loads((work / "phase_b.json").read_text())
     checkpoint = work / "checkpoint"
@@ -370,7 +372,9 @@ def _report(work: Path, save_step: int) -> bool:
             per_rank[chunk.rank] = per_rank.get(chunk.rank, 0) + chunk.nbytes
 
     print("\n=== hyperdcp demo report ===")
-    print(f"checkpoint        {checkpoint}")
+    print(f"checkpoint        {checkpoint}" if kept else
+          "checkpoint        removed with the temporary work directory at exit "
+          "(--keep or --out DIR keeps it)")
     print(f"  tensors/objects {len(meta.tensors)} / {len(meta.objects)}, "
           f"saved by world size {meta.world_size}")
     print(f"  bytes on disk   {on_disk:,} ({_mib(on_disk)})")
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for phase in ("a", "b"):
             _launch(phase, work, args.steps, args.save_step)
-        ok = _report(work, args.save_step)
+        ok = _report(work, args.save_step, kept=args.out is not None or args.keep)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"FAIL: worker job failed: {exc}", file=sys.stderr)
         ok = False
