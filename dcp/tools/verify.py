@@ -77,8 +77,8 @@ def _pieces(md: Metadata) -> dict[str, list[_Piece]]:
                 f"tensor {fqn!r} chunk at offsets {list(c.offsets)}", c.file, c.byte_offset,
                 c.nbytes, c.checksum))
     for fqn, o in md.objects.items():
-        if o.pickled is not None:
-            b = o.pickled
+        b = o.blob  # raw or pickled bytes
+        if b is not None:
             by_file.setdefault(b.file, []).append(_Piece(
                 f"object {fqn!r}", b.file, b.byte_offset, b.nbytes, b.checksum))
     for pieces in by_file.values():
