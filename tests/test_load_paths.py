@@ -247,3 +247,17 @@ def test_a_failing_reader_raises_on_every_rank_on_every_path(ctx):
     dcp.load(target, url, storage_options=options, host=host)
     for k, v in full.items():
         assert_bitwise_equal(target[k], v, k)
+    # a resharded load, each chunk read once per host and passed whole: the
+    # reading rank fails, its receivers hear of it
+    mesh = init_device_mesh("cpu", (4,))
+    sharded = f"{url}-sharded"
+    dcp.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, sharded,
+             storage_options=options)
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}
+    with pytest.raises(dcp.CheckpointError, match=r"failed on rank 2.*injected EIO"):
+        dcp.load(target, sharded, storage=_FailingS3(sharded, 2, **options))
+    ctx.barrier()
+    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    dcp.load(target, sharded, storage_options=options)
+    for k, v in full.items():
+        assert_dtensor_equals_full(target[k], v, k)
