@@ -254,3 +254,25 @@ def test_tensor_shard_covering_whole_tensor_saves(tmp_path):
     target = {"w": torch.zeros(5, 3, dtype=torch.float16)}
     dcp.load(target, ckpt)
     assert_bitwise_equal(target["w"], full)
+
+
+def test_tuples_and_torch_size_come_back_as_the_target_holds_them(tmp_path):
+    """JSON has no tuple: a saved tuple, named tuple or torch.Size loads as
+    the target's type where the target holds one of the same length."""
+    import collections
+
+    pair = collections.namedtuple("pair", "a b")
+    saved = {"t": (1, 2, "a"), "size": torch.Size([3, 4]), "nested": {"k": [(5, 6), 7]},
+             "named": pair(1, (2, 3)), "betas": [{"betas": (0.9, 0.999)}]}
+    dcp.save(saved, str(tmp_path / "c"))
+    target = {"t": (0, 0, ""), "size": torch.Size([0, 0]), "nested": {"k": [(0, 0), 0]},
+              "named": pair(0, (0, 0)), "betas": [{"betas": (0.0, 0.0)}]}
+    dcp.load(target, str(tmp_path / "c"))
+    assert target == saved
+    assert type(target["size"]) is torch.Size and type(target["named"]) is pair
+    assert type(target["nested"]["k"][0]) is tuple and type(target["betas"][0]["betas"]) is tuple
+    # with no structure to follow (a placeholder), a tuple comes back as a list
+    loose = {"t": None, "size": None, "nested": {"k": None}, "named": None,
+             "betas": [{"betas": None}]}
+    dcp.load(loose, str(tmp_path / "c"))
+    assert loose["t"] == [1, 2, "a"] and loose["size"] == [3, 4]

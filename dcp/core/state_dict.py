@@ -74,3 +74,24 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool]) -> dict[str, Lea
 
     visit(state_dict, None, None, "")
     return out
+
+
+def shaped_like(target: Any, value: Any) -> Any:
+    """``value`` (a plain value as JSON gives it back: lists, dicts) with the
+    container types of ``target`` where their shapes agree: tuples, named
+    tuples and tuple subclasses such as ``torch.Size``, nested in lists and
+    dicts.  JSON has no tuple, so a saved tuple loads as a list unless the
+    target says what it was."""
+    if isinstance(target, tuple) and isinstance(value, list) and len(target) == len(value):
+        items = [shaped_like(t, v) for t, v in zip(target, value, strict=True)]
+        if hasattr(target, "_fields"):  # a named tuple
+            return type(target)(*items)
+        try:
+            return type(target)(items)
+        except TypeError:
+            return tuple(items)
+    if isinstance(target, list) and isinstance(value, list) and len(target) == len(value):
+        return [shaped_like(t, v) for t, v in zip(target, value, strict=True)]
+    if isinstance(target, dict) and isinstance(value, dict):
+        return {k: shaped_like(target.get(k), v) for k, v in value.items()}
+    return value

@@ -55,7 +55,7 @@ from dcp.core import read_plan
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
                          default_planner)
-from dcp.core.state_dict import flatten
+from dcp.core.state_dict import flatten, shaped_like
 from dcp.core.storage import StoragePlugin, open_storage
 
 
@@ -601,9 +601,7 @@ class _Load:
                 blob = self._read_blob(fqn, saved.raw, "raw")
                 value = io.BytesIO(blob) if saved.raw_type == "BytesIO" else bytes(blob)
             elif saved.pickled is None:
-                value = saved.value
-                if isinstance(self.leaves[fqn].value, tuple) and isinstance(value, list):
-                    value = tuple(value)
+                value = shaped_like(self.leaves[fqn].value, saved.value)
             else:
                 if not self.allow_pickle:
                     raise CheckpointError(
