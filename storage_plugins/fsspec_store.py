@@ -54,7 +54,8 @@ class FsspecStorage(StoragePlugin):
             raise CheckpointError(f"{checkpoint_id!r}: part_size and max_concurrency must be "
                                   f"positive (got {part_size}, {max_concurrency})")
         try:
-            self.fs, root = fsspec.core.url_to_fs(checkpoint_id, **self.filesystem_options(fs_options))
+            self.fs, root = fsspec.core.url_to_fs(checkpoint_id,
+                                                  **self.filesystem_options(fs_options))
         except ImportError as e:  # the backend's package is missing; fsspec's message names it
             raise CheckpointError(f"cannot open {checkpoint_id!r} with fsspec: {e}") from e
         self.root = root.rstrip("/")
@@ -99,7 +100,7 @@ class FsspecStorage(StoragePlugin):
                                            [o + len(v) for o, v in batch], on_error="raise")
             except OSError as e:
                 raise named(e, self.url(name)) from e
-            for (offset, view), data in zip(batch, datas):
+            for (offset, view), data in zip(batch, datas, strict=True):
                 if len(data) != len(view):
                     raise EOFError(f"{self.url(name)} ends at byte {offset + len(data)}, before "
                                    f"{len(view) - len(data)} more bytes it should hold")

@@ -54,8 +54,8 @@ import errno
 import mmap
 import os
 import uuid
-from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 from dcp.core.read_cost import ReadCost
 from dcp.core.storage import StoragePlugin
@@ -96,7 +96,7 @@ class PosixStorage(StoragePlugin):
     def __init__(self, checkpoint_id: str, *, thread_count: int = 4, fsync: bool = True,
                  direct_io: bool = True) -> None:
         super().__init__(checkpoint_id)
-        path = checkpoint_id[len("file://"):] if checkpoint_id.startswith("file://") else checkpoint_id
+        path = checkpoint_id.removeprefix("file://")
         self.root = Path(path)
         self.thread_count = max(1, int(thread_count))
         self.fsync = fsync
@@ -240,7 +240,8 @@ class PosixStorage(StoragePlugin):
     def list_files(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+        return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
+                      if p.is_file())
 
     def delete(self, names: Iterable[str]) -> None:
         for name in names:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import Literal, overload
 
 from dcp.core import read_plan
 from dcp.core.metadata import Metadata
@@ -214,6 +215,14 @@ class LoadPlanner(abc.ABC):
         ``runs``.  The default coalesces them by the storage's read cost
         (:func:`dcp.core.read_plan.coalesce`)."""
         return read_plan.coalesce(runs, cost)
+
+
+@overload
+def default_planner(kind: Literal["save"]) -> SavePlanner: ...
+
+
+@overload
+def default_planner(kind: Literal["load"]) -> LoadPlanner: ...
 
 
 def default_planner(kind: str) -> SavePlanner | LoadPlanner:

@@ -40,14 +40,27 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from dcp.core import tensors
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.orchestration.load import LoadReport, load, read_metadata
-from dcp.core.metadata import (DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta,
-                          check_relative_path, encode)
+from dcp.core.metadata import (
+    DTYPE_ITEMSIZE,
+    METADATA_FILE,
+    ChunkMeta,
+    Metadata,
+    TensorMeta,
+    check_relative_path,
+    encode,
+)
 from dcp.core.planner import LoadPlanner
 from dcp.core.storage import StoragePlugin, open_storage
-from dcp.interop.streaming import (DEFAULT_BUFFER_BYTES, CheckpointWriter, ExportResult, progress_bar,
-                           read_tensor, renamed)
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.interop.streaming import (
+    DEFAULT_BUFFER_BYTES,
+    CheckpointWriter,
+    ExportResult,
+    progress_bar,
+    read_tensor,
+    renamed,
+)
+from dcp.orchestration.load import LoadReport, load, read_metadata
 
 #: safetensors dtype name -> checkpoint (torch) dtype name.
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -146,7 +159,8 @@ class SafetensorsFolder(StoragePlugin):
         try:
             index = self.inner.read_file(INDEX_FILE)
         except FileNotFoundError:
-            names = sorted(n for n in self.inner.list_files() if n.endswith(SUFFIX) and "/" not in n)
+            names = sorted(n for n in self.inner.list_files()
+                           if n.endswith(SUFFIX) and "/" not in n)
             if not names:
                 raise NotACheckpointError(
                     f"{self.checkpoint_id!r} holds no {SUFFIX} file and no {INDEX_FILE}") from None
@@ -155,8 +169,10 @@ class SafetensorsFolder(StoragePlugin):
         try:
             weight_map = json.loads(index)["weight_map"]
         except (ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(f"{where}: not an index with a weight_map ({e!r})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CorruptCheckpointError(
+                f"{where}: not an index with a weight_map ({e!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
             raise CorruptCheckpointError(f"{where}: weight_map must map names to file names")
         files = [check_relative_path(f, where) for f in dict.fromkeys(weight_map.values())]
         return files, weight_map
@@ -225,7 +241,8 @@ class SafetensorsFolder(StoragePlugin):
                     continue
                 if key in found:
                     raise CorruptCheckpointError(
-                        f"{self.checkpoint_id}: tensor {key!r} is in both {found[key][0]!r} and {name!r}")
+                        f"{self.checkpoint_id}: tensor {key!r} is in both {found[key][0]!r} "
+                        f"and {name!r}")
                 found[key] = name, self._tensor_meta(name, key, entry, data_start)
         for key, name in weight_map.items():
             if found.get(key, (None,))[0] != name:
@@ -371,7 +388,7 @@ class _ShardBuffers(Sequence):
     def __len__(self) -> int:
         return 1 + len(self.entries)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, i: int):  # type: ignore[override]  # no slices: read by index only
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
@@ -460,12 +477,13 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     done = False
     with progress_bar(md.unique_bytes, "export", progress) as bar:
         try:
-            for file, shard in zip(files, shards):
+            for file, shard in zip(files, shards, strict=True):
                 shard.sort(key=lambda f: -DTYPE_ITEMSIZE[md.tensors[f].dtype])
                 entries, offset = [], 0
                 for fqn in shard:
                     meta = md.tensors[fqn]
-                    entries.append((names[fqn], meta.dtype, meta.shape, offset, offset + meta.nbytes))
+                    entries.append((names[fqn], meta.dtype, meta.shape, offset,
+                                    offset + meta.nbytes))
                     offset += meta.nbytes
                     weight_map[names[fqn]] = file
                 result.files.append(file)

@@ -29,6 +29,7 @@ nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
@@ -41,22 +42,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp.orchestration import pending, targets
-
-from dcp.core import tensors
-from dcp.core.boxes import byte_runs, run_extent
 from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination.collectives import Coordinator
-from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.orchestration.gc_pause import gc_paused
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core import read_plan
+from dcp.core import read_plan, tensors
+from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
-from dcp.core.planner import (LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer,
-                         default_planner)
-from dcp.core.state_dict import flatten, shaped_like
+from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
+from dcp.core.state_dict import Leaf, flatten, shaped_like
 from dcp.core.storage import StoragePlugin, open_storage
+from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.orchestration import pending, targets
+from dcp.orchestration.gc_pause import gc_paused
 
 
 @dataclass
@@ -133,6 +131,9 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
 class _Load:
     """State of one load on one rank."""
 
+    #: the checkpoint's metadata, read first by :meth:`run`
+    metadata: Metadata
+
     def __init__(self, state_dict, storage, planner, coordinator, strict,
                  allow_dtype_cast, allow_pickle, max_inflight_bytes, verify, host) -> None:
         if verify not in ("chunks", "all", "none"):
@@ -150,11 +151,10 @@ class _Load:
         self.allow_dtype_cast = allow_dtype_cast
         self.allow_pickle = allow_pickle
         self.state_dict = state_dict
-        self.leaves = {}
+        self.leaves: dict[str, Leaf] = {}
         self.targets: list[tensors.LocalChunk] = []
         self.requests: list[ReadRequest] = []
         self.objects: list[str] = []
-        self.metadata: Metadata | None = None
         self.exchange: HostExchange | None = None
         #: chunks this rank checks for its host (None: every chunk it reads whole)
         self.checks: set[tuple[str, int]] | None = None
@@ -255,12 +255,21 @@ class _Load:
         future, k = reads[item]
         return future.result()[k]
 
+    @property
+    def _host_exchange(self) -> HostExchange:
+        """The shared-memory exchange, which every load of several ranks has
+        (and only those have transfers)."""
+        if self.exchange is None:
+            raise CheckpointError("a load of one rank has no transfers between ranks")
+        return self.exchange
+
     def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
         """Send what this rank read, receive the rest; a failure is raised
         only after every transfer ran, so no member is left waiting."""
         failures: list[Exception] = []
         device = comm_device(self.coord.group)
         me = self.coord.rank
+        exchange = self._host_exchange
         published = [t for t in plan.transfers if t.shared_memory and t.src == me]
         publisher = threading.Thread(target=self._publish, args=(published, reads, failures),
                                      name="dcp-host-exchange")
@@ -271,15 +280,14 @@ class _Load:
                 if transfer.shared_memory:
                     if transfer.src != me:
                         try:
-                            self.exchange.receive(
-                                _key(transfer), transfer.src,
-                                lambda view, t=transfer: self._unpack_view(t, view))
+                            exchange.receive(_key(transfer), transfer.src,
+                                             functools.partial(self._unpack_view, transfer))
                         except Exception as e:  # raised after all transfers ran
                             failures.append(e)
                 elif transfer.src == me:
                     try:
-                        buffer = tensors.flat_bytes([self._region(reads, i) for i in transfer.items],
-                                                    device)
+                        buffer = tensors.flat_bytes(
+                            [self._region(reads, i) for i in transfer.items], device)
                     except Exception as e:  # raised after all transfers ran
                         failures.append(e)
                         buffer = tensors.zeros_bytes(transfer.nbytes, device)
@@ -287,7 +295,7 @@ class _Load:
                 else:
                     buffer = tensors.zeros_bytes(transfer.nbytes, device)
                     sender.start(transfer.ranks, transfer.src, buffer,
-                                 lambda t=transfer, b=buffer: self._unpack(t, b, failures))
+                                 functools.partial(self._unpack, transfer, buffer, failures))
             sender.finish()
         publisher.join()
         if failures:
@@ -297,19 +305,20 @@ class _Load:
                  failures: list[Exception]) -> None:
         """Publish, in transfer order, what this rank read for same-host
         members (runs on its own thread, so receiving never waits on it)."""
+        exchange = self._host_exchange
         for transfer in transfers:
             key = _key(transfer)
             try:
                 # a whole chunk: every item of the source's maps to the same copy
                 wanted = transfer.items[:1] if transfer.whole_chunk else transfer.items
                 parts = [self._region(reads, i) for i in wanted]
-                self.exchange.publish(key, [tensors.byte_view(p) for p in parts],
+                exchange.publish(key, [tensors.byte_view(p) for p in parts],
                                       tuple(r for r in transfer.ranks if r != transfer.src))
             except Exception as e:  # raised after all transfers ran
                 failures.append(e)
-                self.exchange.fail(key, f"reading rank {transfer.src} failed: {e}")
+                exchange.fail(key, f"reading rank {transfer.src} failed: {e}")
         try:
-            self.exchange.close()
+            exchange.close()
         except Exception as e:  # raised after all transfers ran
             failures.append(e)
 
@@ -351,8 +360,8 @@ class _Load:
 
     def _target_region(self, item: ReadItem):
         target = self.targets[item.request]
-        return tensors.region(target.data, [o - t for o, t in zip(item.offsets, target.offsets)],
-                              item.sizes)
+        rel = [o - t for o, t in zip(item.offsets, target.offsets, strict=True)]
+        return tensors.region(target.data, rel, item.sizes)
 
     def _read_file(self, name: str, items: list[ReadItem], cached: bool,
                    keep: set[ReadItem]) -> list:
@@ -711,7 +720,8 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     coordinator = Coordinator(process_group)
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
-    planner = planner if planner is not None else default_planner("load")
+    if planner is None:
+        planner = default_planner("load")
     prepared = targets.Targets(state_dict)
     job = _Load(prepared.state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify, host)
