@@ -38,11 +38,11 @@ import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
 from dcp.core.boxes import volume
+from dcp.core.plan_columns import ColumnarSavePlan, PlanColumns, columns_of
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem
 from dcp.errors import CheckpointError
 
@@ -226,9 +226,6 @@ def _check_coverage(decls: dict[str, TensorDecl], items: dict) -> None:
 
 # --- the vectorized planner -----------------------------------------------------
 
-_FQN, _OFFSETS, _SIZES, _NBYTES = (attrgetter(a) for a in ("fqn", "offsets", "sizes", "nbytes"))
-
-
 @dataclass
 class _Replicated:
     """The chunks held by several ranks, as columns (one row each, in the
@@ -249,50 +246,55 @@ class _Replicated:
 
 
 class _Columns:
-    """Every rank's local plan items as flat columns (rank-major order)."""
+    """Every rank's local plan items as flat columns (rank-major order):
+    the fqn's index in ``names``, the box's rank, its offsets and sizes
+    padded to the widest box (offsets with -1, sizes with 1) and flat
+    (``flat_offsets``, ``flat_sizes``, ``ndim`` values per item, from
+    ``flat_start``), its bytes and its rank."""
 
-    def __init__(self, items: list[WriteItem], names: dict[str, int], fqn: np.ndarray,
-                 ndim: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, nbytes: np.ndarray,
-                 rank: np.ndarray, counts: list[int]) -> None:
-        self.items, self.names, self.fqn, self.ndim = items, names, fqn, ndim
-        self.offsets, self.sizes, self.nbytes, self.rank = offsets, sizes, nbytes, rank
-        self.counts = counts
+    def __init__(self, names: list[str], index: dict[str, int], fqn: np.ndarray,
+                 ndim: np.ndarray, flat_offsets: np.ndarray, flat_sizes: np.ndarray,
+                 nbytes: np.ndarray, counts: list[int]) -> None:
+        n = len(fqn)
+        self.names, self.index, self.fqn, self.ndim, self.nbytes = names, index, fqn, ndim, nbytes
+        self.flat_offsets, self.flat_sizes, self.counts = flat_offsets, flat_sizes, counts
+        self.rank = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self.flat_start = np.cumsum(ndim) - ndim
+        width = max(1, int(ndim.max()) if n else 1)
+        row = np.repeat(np.arange(n), ndim)
+        col = np.arange(len(flat_offsets)) - np.repeat(self.flat_start, ndim)
+        self.offsets = np.full((n, width), -1, dtype=np.int64)
+        self.sizes = np.ones((n, width), dtype=np.int64)
+        self.offsets[row, col] = flat_offsets
+        self.sizes[row, col] = flat_sizes
 
     @classmethod
     def of(cls, plans: list[SavePlan]) -> _Columns | None:
         """The columns, or ``None`` for items the fast path leaves to the
         reference (boxes whose offsets and sizes differ in rank, negative
         offsets)."""
-        items: list[WriteItem] = list(itertools.chain.from_iterable(p.items for p in plans))
-        counts = [len(p.items) for p in plans]
-        names: dict[str, int] = {}
-        fqns = list(map(_FQN, items))
-        for name in dict.fromkeys(fqns):
-            names[name] = len(names)
-        offs = list(map(_OFFSETS, items))
-        sizes = list(map(_SIZES, items))
-        ndims = list(map(len, offs))
-        if ndims != list(map(len, sizes)):
+        try:
+            per_plan = [columns_of(p) for p in plans]
+        except ValueError:
             return None
-        n = len(items)
-        ndim = np.array(ndims, dtype=np.int64)
-        width = max(1, int(ndim.max()) if n else 1)
-        flat_o = np.fromiter(itertools.chain.from_iterable(offs), dtype=np.int64,
-                             count=int(ndim.sum()))
-        flat_s = np.fromiter(itertools.chain.from_iterable(sizes), dtype=np.int64,
-                             count=len(flat_o))
-        if len(flat_o) and flat_o.min() < 0:
+        names: list[str] = []
+        index: dict[str, int] = {}
+        fqns = []
+        for c in per_plan:
+            ids = np.array([index.setdefault(n, len(index)) for n in c.names] or [0],
+                           dtype=np.int64)
+            fqns.append(ids[c.fqn])
+        names = list(index)
+
+        def cat(arrays: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+        flat_offsets = cat([c.offsets for c in per_plan])
+        if len(flat_offsets) and flat_offsets.min() < 0:
             return None
-        row = np.repeat(np.arange(n), ndim)
-        col = np.arange(len(flat_o)) - np.repeat(np.cumsum(ndim) - ndim, ndim)
-        pad_o = np.full((n, width), -1, dtype=np.int64)
-        pad_s = np.ones((n, width), dtype=np.int64)
-        pad_o[row, col] = flat_o
-        pad_s[row, col] = flat_s
-        fqn = np.fromiter(map(names.__getitem__, fqns), dtype=np.int64, count=n)
-        nbytes = np.fromiter(map(_NBYTES, items), dtype=np.int64, count=n)
-        rank = np.repeat(np.arange(len(plans), dtype=np.int64), counts)
-        return cls(items, names, fqn, ndim, pad_o, pad_s, nbytes, rank, counts)
+        return cls(names, index, cat(fqns), cat([c.ndim for c in per_plan]), flat_offsets,
+                   cat([c.sizes for c in per_plan]), cat([c.nbytes for c in per_plan]),
+                   [len(c) for c in per_plan])
 
     def groups(self, decls: dict[str, TensorDecl]
                ) -> tuple[np.ndarray, list[int], _Replicated] | None:
@@ -325,7 +327,7 @@ class _Columns:
         covered = np.zeros(len(self.names), dtype=np.int64)
         np.add.at(covered, self.fqn[first], volume)
         for fqn, decl in decls.items():
-            at = self.names.get(fqn)
+            at = self.index.get(fqn)
             if (int(covered[at]) if at is not None else 0) != math.prod(decl.shape):
                 return None  # the reference names the tensor
         group_of = np.empty(n, dtype=np.int64)
@@ -337,7 +339,7 @@ class _Columns:
         multi = multi[np.argsort(first[multi], kind="stable")]  # first-seen order
         by_name = sorted(self.names)
         name_rank = np.empty(len(by_name), dtype=np.int64)
-        name_rank[[self.names[s] for s in by_name]] = np.arange(len(by_name))
+        name_rank[[self.index[s] for s in by_name]] = np.arange(len(by_name))
         lengths = counts[multi]
         member = np.repeat(starts[multi], lengths) + (
             np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths))
@@ -349,37 +351,68 @@ class _Columns:
                           holder_count=lengths, holders=ranks_sorted[member])
         return single, pinned.tolist(), rep
 
-    def plans(self, plans: list[SavePlan], single: np.ndarray,
-              assigned: list[list[tuple[int, int, int]]], rep: _Replicated) -> list[SavePlan]:
-        """The final plans: each rank's single-holder items in its plan's
-        order, then the replicated chunks (or pieces) it was given, in the
-        order they were given."""
-        items, out, at = self.items, [], 0
-        mask = single.tolist()
-        first, rows, nbytes = rep.first.tolist(), rep.rows.tolist(), rep.nbytes.tolist()
-        for plan, count, given in zip(plans, self.counts, assigned, strict=True):
-            mine = list(itertools.compress(items[at:at + count], mask[at:at + count]))
-            at += count
-            for j, lo, hi in given:
-                item = items[first[j]]
-                if hi < 0:
-                    mine.append(item)
-                    continue
-                o, z = item.offsets, item.sizes
-                mine.append(WriteItem(item.fqn, (o[0] + lo, *o[1:]), (hi - lo, *z[1:]),
-                                      (hi - lo) * (nbytes[j] // rows[j])))
-            out.append(SavePlan(plan.tensors, mine))
+    def plans(self, plans: list[SavePlan], single: np.ndarray, assigned: _Assigned,
+              rep: _Replicated) -> list[SavePlan]:
+        """The final plans, as columns: each rank's single-holder items in
+        its plan's order, then the replicated chunks (or pieces) it was
+        given, in the order they were given."""
+        singles = np.flatnonzero(single)
+        a_rank, a_j, a_lo, a_hi = (np.array(c, dtype=np.int64) for c in assigned)
+        src = np.concatenate([singles, rep.first[a_j]])
+        rank = np.concatenate([self.rank[singles], a_rank])
+        phase = np.concatenate([np.zeros(len(singles), np.int64), np.ones(len(a_j), np.int64)])
+        seq = np.concatenate([singles, np.arange(len(a_j), dtype=np.int64)])
+        lo = np.concatenate([np.zeros(len(singles), np.int64), a_lo])
+        hi = np.concatenate([np.full(len(singles), -1, np.int64), a_hi])
+        order = np.lexsort([seq, phase, rank])
+        src, rank, lo, hi = src[order], rank[order], lo[order], hi[order]
+        ndim = self.ndim[src]
+        piece = hi >= 0
+        nbytes = self.nbytes[src].copy()
+        rows = np.maximum(self.sizes[src, 0], 1)
+        nbytes[piece] = (hi[piece] - lo[piece]) * (nbytes[piece] // rows[piece])
+        # the flat boxes of the rows, pieces moved along dimension 0
+        starts = np.cumsum(ndim) - ndim
+        flat = np.repeat(self.flat_start[src] - starts, ndim) + np.arange(int(ndim.sum()))
+        offsets, sizes = self.flat_offsets[flat], self.flat_sizes[flat]
+        head = starts[piece]
+        offsets[head] += lo[piece]
+        sizes[head] = hi[piece] - lo[piece]
+        per_rank = np.bincount(rank, minlength=len(plans)).tolist()
+        row_at = np.cumsum([0, *per_rank]).tolist()
+        flat_at = np.concatenate([[0], np.cumsum(ndim)])[row_at].tolist()
+        fqn, names = self.fqn[src], self.names
+        out: list[SavePlan] = []
+        for r, plan in enumerate(plans):
+            a, b, fa, fb = row_at[r], row_at[r + 1], flat_at[r], flat_at[r + 1]
+            out.append(ColumnarSavePlan(plan.tensors, PlanColumns(
+                names, fqn[a:b], ndim[a:b], offsets[fa:fb], sizes[fa:fb], nbytes[a:b])))
         return out
 
 
+#: Replicated chunks (or rows ``lo:hi`` of them; ``hi < 0``: whole) given to
+#: ranks, in the order given: four columns (rank, chunk, lo, hi).
+_Assigned = tuple[list[int], list[int], list[int], list[int]]
+
+
 def _assign_columns(pinned: list[int], rep: _Replicated, pieces: np.ndarray | None,
-                    minimum: bool = False) -> tuple[list[list[tuple[int, int, int]]], list[int]]:
-    """:func:`_assign` over columns: each rank gets ``(chunk, lo, hi)``
-    (rows ``lo:hi`` of replicated chunk ``chunk``; ``hi < 0``: whole) and
-    its bytes.  ``pieces``: how many pieces each chunk is cut into (``None``:
-    whole chunks); ``minimum``: every chunk to its lowest holder."""
+                    minimum: bool = False) -> tuple[_Assigned, list[int]]:
+    """:func:`_assign` over columns: what each rank is given
+    (:data:`_Assigned`) and each rank's bytes.  ``pieces``: how many pieces
+    each chunk is cut into (``None``: whole chunks); ``minimum``: every
+    chunk to its lowest holder."""
     load = np.array(pinned, dtype=np.int64)
-    assigned: list[list[tuple[int, int, int]]] = [[] for _ in pinned]
+    to_rank: list[int] = []
+    chunk: list[int] = []
+    lows: list[int] = []
+    highs: list[int] = []
+
+    def give(r: int, j: int, lo: int, hi: int) -> None:
+        to_rank.append(r)
+        chunk.append(j)
+        lows.append(lo)
+        highs.append(hi)
+
     count = pieces if pieces is not None else np.ones(len(rep.first), dtype=np.int64)
     rows = rep.rows
     row_bytes = rep.nbytes // np.maximum(rows, 1)
@@ -394,13 +427,13 @@ def _assign_columns(pinned: list[int], rep: _Replicated, pieces: np.ndarray | No
         h = holders[start[j]:start[j] + holder_count[j]]
         if minimum:
             r = int(h[0])
-            assigned[r].append((j, 0, -1))
+            give(r, j, 0, -1)
             load[r] += nbytes[j]
             continue
         k = counts[j]
         if k < 2:
             r = int(h[int(np.argmin(load[h]))])  # the first least-loaded: the lowest rank
-            assigned[r].append((j, 0, -1))
+            give(r, j, 0, -1)
             load[r] += nbytes[j]
             continue
         n = rows_l[j]
@@ -411,8 +444,8 @@ def _assign_columns(pinned: list[int], rep: _Replicated, pieces: np.ndarray | No
         heapq.heapify(heap)
         for lo, hi in spans:
             least, r = heap[0]
-            assigned[r].append((j, lo, hi))
+            give(r, j, lo, hi)
             heapq.heapreplace(heap, (least + (hi - lo) * step, r))
         for value, r in heap:
             load[r] = value
-    return assigned, load.tolist()
+    return (to_rank, chunk, lows, highs), load.tolist()

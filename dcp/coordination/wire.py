@@ -38,11 +38,13 @@ from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import zstandard
 
 from dcp.core.metadata import ChunkMeta, Metadata
 from dcp.core.metadata import decode as decode_metadata
 from dcp.core.metadata import encode as encode_metadata
+from dcp.core.plan_columns import ColumnarSavePlan, PlanColumns, columns_of
 from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 from dcp.errors import CheckpointError
 
@@ -194,11 +196,30 @@ def _table_text(tensors: dict[str, TensorDecl]) -> str:
 
 def _plan_to_wire(plan: SavePlan) -> dict:
     table = _table_text(plan.tensors)
-    strings = _Strings()
-    ndims, offsets = _boxes([i.offsets for i in plan.items])
-    _, sizes = _boxes([i.sizes for i in plan.items])
-    return {"tensors": table, "f": strings.all([i.fqn for i in plan.items]), "k": ndims,
-            "o": offsets, "z": sizes, "b": [i.nbytes for i in plan.items], "names": strings.table}
+    c = columns_of(plan)  # a decoded or planned plan's own columns: no item objects
+    used, local = np.unique(c.fqn, return_inverse=True)
+    names = c.names
+    return {"tensors": table, "f": local.reshape(-1).tolist(), "k": c.ndim.tolist(),
+            "o": c.offsets.tolist(), "z": c.sizes.tolist(), "b": c.nbytes.tolist(),
+            "names": [names[i] for i in used.tolist()]}
+
+
+def _array(column: Any, what: str, length: int | None = None) -> np.ndarray:
+    """``column`` (a list of integers, of ``length``) as an int64 array;
+    ValueError for anything else."""
+    if type(column) is not list:
+        raise ValueError(f"{what}: a list of integers expected")
+    if length is not None and len(column) != length:
+        raise ValueError(f"{what}: {len(column)} values for {length} rows")
+    if not column:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.array(column)
+    except (OverflowError, ValueError):
+        raise ValueError(f"{what}: a list of integers expected") from None
+    if array.dtype.kind != "i" or array.ndim != 1:
+        raise ValueError(f"{what}: a list of integers expected")
+    return array.astype(np.int64, copy=False)
 
 
 def _tensors_from_wire(table: Any) -> dict[str, TensorDecl]:
@@ -220,18 +241,23 @@ def _tensors_from_wire(table: Any) -> dict[str, TensorDecl]:
 
 
 def _plan_from_wire(doc: Any) -> SavePlan:
+    """A :class:`~dcp.core.plan_columns.ColumnarSavePlan`: the columns are
+    checked here, its items built only if someone reads them."""
     if type(doc) is not dict:
         raise ValueError("SavePlan: columns expected")
     tensors = _tensors_from_wire(doc["tensors"])
     strings = _strs(doc["names"], "SavePlan strings")
-    nbytes = _ints(doc["b"], "SavePlan nbytes")
-    fqns = _index(doc["f"], "SavePlan items", strings, len(nbytes))
-    ndims = _ints(doc["k"], "SavePlan ranks", len(nbytes))
-    offsets = _unboxes(ndims, _ints(doc["o"], "offsets"), "SavePlan offsets")
-    sizes = _unboxes(ndims, _ints(doc["z"], "sizes"), "SavePlan sizes")
-    items = [WriteItem(strings[f], o, z, b)
-             for f, o, z, b in zip(fqns, offsets, sizes, nbytes, strict=True)]
-    return SavePlan(tensors, items)
+    nbytes = _array(doc["b"], "SavePlan nbytes")
+    fqns = _array(doc["f"], "SavePlan items", len(nbytes))
+    if len(fqns) and (fqns.min() < 0 or fqns.max() >= len(strings)):
+        raise ValueError(f"SavePlan items: index outside the table of {len(strings)}")
+    ndims = _array(doc["k"], "SavePlan ranks", len(nbytes))
+    total = int(ndims.sum())
+    if len(ndims) and ndims.min() < 0:
+        raise ValueError("SavePlan ranks: negative")
+    offsets = _array(doc["o"], "offsets", total)
+    sizes = _array(doc["z"], "sizes", total)
+    return ColumnarSavePlan(tensors, PlanColumns(strings, fqns, ndims, offsets, sizes, nbytes))
 
 
 def write_result_codec(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -314,9 +340,9 @@ def _pack(value: Any) -> Any:
         return {"d": [[_pack(k), _pack(v)] for k, v in value.items()]}
     if isinstance(value, bytes):
         return {"b": base64.b64encode(value).decode("ascii")}
-    name = type(value).__name__
+    name = "SavePlan" if type(value) is ColumnarSavePlan else type(value).__name__
     codec = _CODECS.get(name)
-    if codec is None or codec[0] is not type(value):
+    if codec is None or not (codec[0] is type(value) or type(value) is ColumnarSavePlan):
         raise TypeError(f"cannot encode a {name} in an exchange payload")
     if codec[3]:
         return {"c": name, "j": codec[1](value)}
