@@ -8,7 +8,8 @@ checkpoint loads into any other parallel layout.
 
 Public API: :func:`save`, :func:`async_save`, :func:`load`,
 :func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
-:class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`.
+:class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`;
+:class:`CheckpointManager` (:mod:`dcp.manager`) for a training loop.
 """
 
 from dcp.asynchronous.async_save import (
@@ -22,6 +23,21 @@ from dcp.asynchronous.async_save import (
 from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from dcp.core.tensors import TensorShard
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.manager import (
+    AnyOf,
+    BestN,
+    CheckpointManager,
+    CheckpointWarning,
+    EveryNSteps,
+    FixedInterval,
+    Forced,
+    FromFirstRank,
+    LatestN,
+    OnPreemption,
+    PerRank,
+    SpecificSteps,
+    SumOf,
+)
 from dcp.orchestration.load import LoadReport, load, read_metadata
 from dcp.orchestration.save import save
 
@@ -30,4 +46,7 @@ __all__ = [
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "async_save", "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
+    "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "AnyOf",
+    "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN", "OnPreemption",
+    "SpecificSteps",
 ]

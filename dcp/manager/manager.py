@@ -1,0 +1,616 @@
+"""The checkpoint layer of a training loop: one folder per step under a
+root, resume from the newest *complete* step, retention, preemption, RNG
+and per-rank state.
+
+The phases, in order, and where each decision lives:
+
+* **Save** (:meth:`CheckpointManager.save`): one small all-reduce over a
+  CPU gloo group agrees on a SIGTERM seen by any rank (and on ``force``);
+  the save-decision policy (:mod:`dcp.manager.policies`) says whether the
+  step is saved; the step goes to ``<root>/step-<N>`` with
+  :func:`dcp.async_save` (one save in flight: a new save waits for the
+  previous one) or, after a preemption, with :func:`dcp.save` at once.
+  Each rank adds its per-rank record (RNG states, :class:`PerRank` values;
+  :mod:`dcp.manager.per_rank`) as a raw blob under a key of its own.
+* **Commit**: once the step's metadata is committed, rank 0 commits the
+  pointer ``<root>/latest.json`` (``{"step", "save_id"}``), then deletes,
+  on a background thread, the steps the preservation policy lets go: never
+  the newest complete step (the one just committed), never the step in
+  flight (a newer one, whose metadata does not exist yet), and the
+  metadata of a step first, so a half-deleted step is never complete.
+* **Resume** (:meth:`CheckpointManager.load_latest`): rank 0 reads the
+  pointer and the metadata of the step it names and checks that their save
+  ids agree: two GETs on an object store, whatever the number of steps
+  (torchtitan lists every step folder and probes each).  A missing or stale
+  pointer falls back to one listing of the root, where a step is complete
+  exactly when its ``metadata.json`` exists (it is committed last,
+  atomically).  A pointer lags only when a job died between a commit and
+  the pointer write; it then names the step before, still complete.  The
+  step and its metadata are broadcast; every rank loads the state, its own
+  per-rank record (or, after a change of the data-parallel degree, every
+  record, to apply :class:`PerRank`'s rule) and restores its RNG states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp.asynchronous.async_save import AsyncSaveResponse, async_save
+from dcp.core.metadata import METADATA_FILE, Metadata
+from dcp.core.storage import checkpoint_uri, open_storage
+from dcp.errors import CheckpointError, NotACheckpointError
+from dcp.manager import per_rank, rng
+from dcp.manager.per_rank import PerRank
+from dcp.manager.policies import (
+    AnyOf,
+    EveryNSteps,
+    FixedInterval,
+    Forced,
+    LatestN,
+    OnPreemption,
+    Preservation,
+    SaveContext,
+    SaveDecision,
+    StepInfo,
+    to_delete,
+)
+from dcp.orchestration.load import load, read_metadata
+from dcp.orchestration.save import save as sync_save
+
+log = logging.getLogger(__name__)
+
+POINTER = "latest.json"
+STEP_PREFIX = "step-"
+_STEP_METADATA = re.compile(rf"{STEP_PREFIX}(\d+)/{re.escape(METADATA_FILE)}")
+_STEP_FILE = re.compile(rf"{STEP_PREFIX}(\d+)/.+")
+#: The manager's own entries in every step: ``_manager.step``, ``.world_size``,
+#: ``.dp_degree``, ``.metrics`` and ``.ranks.<rank>`` (one raw blob per rank).
+KEY = "_manager"
+
+
+class CheckpointWarning(UserWarning):
+    """A save that failed in the background, or a failed retention delete:
+    the training goes on, the newest complete step stays loadable."""
+
+
+def step_of(name: str) -> int | None:
+    """The step a root-relative file name belongs to, if any."""
+    m = _STEP_FILE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def complete_steps(names: list[str]) -> list[int]:
+    """The committed steps among a root's file names."""
+    return sorted({int(m.group(1)) for n in names if (m := _STEP_METADATA.fullmatch(n))})
+
+
+def read_pointer(storage) -> dict | None:
+    """The decoded ``latest.json`` of a root storage, or ``None``."""
+    try:
+        doc = json.loads(storage.read_file(POINTER))
+    except (FileNotFoundError, ValueError):
+        return None
+    except Exception as e:  # an unreadable pointer is a reason to list, not to fail
+        log.warning("hyperdcp: reading %s failed (%s); listing the root", POINTER, e)
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
+
+
+def prune_steps(root: str, preservation: Preservation, storage_options: dict | None = None,
+                in_flight: int | None = None,
+                metrics: dict[int, dict] | None = None) -> list[int]:
+    """Delete the committed steps under ``root`` that ``preservation`` lets
+    go (never the newest, never ``in_flight``) and the files of incomplete
+    steps older than the newest complete one; returns the steps deleted.
+    ``metrics``: known metrics by step (others are read from the metadata
+    when the policy asks for metrics)."""
+    options = storage_options or {}
+    storage = open_storage(root, **options)
+    names = storage.list_files()
+    complete = complete_steps(names)
+    if not complete:
+        return []
+    known = dict(metrics or {})
+    infos = []
+    for s in complete:
+        if s not in known and _needs_metrics(preservation):
+            known[s] = _metrics_of(read_metadata(_step_uri(storage.checkpoint_id, s),
+                                                 storage_options=options))
+        infos.append(StepInfo(s, known.get(s, {})))
+    doomed = set(to_delete(preservation, infos, in_flight))
+    newest = complete[-1]
+    by_step: dict[int, list[str]] = {}
+    for n in names:
+        owner = step_of(n)
+        if owner is not None:
+            by_step.setdefault(owner, []).append(n)
+    incomplete = {s for s in by_step if s not in complete and s < newest and s != in_flight}
+    for s in sorted(doomed | incomplete):
+        files = by_step.get(s, [])
+        head = [n for n in files if n.endswith("/" + METADATA_FILE)]
+        storage.delete(head)  # first: from here on the step is not complete
+        storage.delete([n for n in files if n not in head])
+        _remove_empty_folder(_step_uri(storage.checkpoint_id, s), options)
+    return sorted(doomed | incomplete)
+
+
+def _remove_empty_folder(uri: str, options: dict) -> None:
+    """A filesystem keeps the emptied folder of a deleted step; an object
+    store has none to remove."""
+    folder = getattr(open_storage(uri, **options), "root", None)
+    if isinstance(folder, Path):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _needs_metrics(policy: Any) -> bool:
+    inner = getattr(policy, "policies", None)
+    if inner is not None:
+        return any(_needs_metrics(p) for p in inner)
+    return hasattr(policy, "metric")
+
+
+def _metrics_of(md: Metadata) -> dict:
+    prefix = f"{KEY}.metrics."
+    return {k[len(prefix):]: o.value for k, o in md.objects.items() if k.startswith(prefix)}
+
+
+def _step_uri(root: str, step: int) -> str:
+    return f"{root.rstrip('/')}/{STEP_PREFIX}{step}"
+
+
+class CheckpointManager:
+    """Saves and resumes a training run under ``root``, one folder
+    ``step-<N>`` per step (module doc).  Collective: every rank of the group
+    constructs it and calls :meth:`save` and :meth:`load_latest` at the
+    same steps.
+
+    Args:
+        root: any storage URI or path (normalised by
+            :func:`dcp.core.storage.checkpoint_uri`).
+        interval: save when ``step % interval == 0`` (:class:`FixedInterval`).
+        keep_latest: keep the newest N complete steps (``0``: keep all); at
+            least 2 with async saves.
+        keep_every: also keep steps that are multiples of this.
+        async_save: save with :func:`dcp.async_save` (one save in flight).
+        storage_options, coordination, process_group: as for
+            :func:`dcp.async_save` (``coordination`` ``"gloo"`` or ``"file"``).
+        save_on_preemption: on SIGTERM to any rank, every rank saves the
+            step of its next :meth:`save` call synchronously, then
+            :attr:`preempted` is True.
+        save_policy: a save decision replacing ``interval`` (e.g.
+            ``AnyOf(FixedInterval(100), SpecificSteps([1]))``); ``force``
+            and preemption are always honoured.
+        preservation: a preservation policy replacing ``keep_latest`` and
+            ``keep_every`` (e.g. ``AnyOf(LatestN(2), BestN("loss", 3))``).
+        save_rng: save each rank's RNG states and restore them on load.
+        data_parallel: ``(dp_rank, dp_degree)`` of this rank (default: its
+            rank and the world size), for per-rank state.
+        exclude_from_loading: top-level keys of the state not loaded.
+        initial_load_path: a checkpoint or a Hugging Face safetensors
+            folder loaded into ``state[model_key]`` when no step is
+            complete (model only; tensors cast to the model's dtypes).
+        model_key: the key of the model in the state (initial load, export).
+        export_dtype: the dtype :meth:`export` casts floating tensors to.
+        blocking_staging, timeout: as for :func:`dcp.async_save`.
+    """
+
+    def __init__(self, root: str, interval: int = 500, keep_latest: int = 3,
+                 keep_every: int | None = None, async_save: bool = True,
+                 storage_options: dict | None = None, coordination: str = "gloo",
+                 process_group=None, *, save_on_preemption: bool = True,
+                 save_policy: SaveDecision | None = None,
+                 preservation: Preservation | None = None, save_rng: bool = True,
+                 data_parallel: tuple[int, int] | None = None,
+                 exclude_from_loading: tuple[str, ...] = (),
+                 initial_load_path: str | None = None, model_key: str = "model",
+                 export_dtype: torch.dtype | None = None, blocking_staging: bool = True,
+                 timeout: float = 600.0) -> None:
+        self.root = checkpoint_uri(str(root))
+        self.storage_options = dict(storage_options or {})
+        if coordination not in ("gloo", "file"):
+            raise CheckpointError(f"{self.root!r}: the manager saves with coordination 'gloo' "
+                                  f"or 'file', not {coordination!r}: a step is complete only "
+                                  f"once one metadata is committed for every rank")
+        if async_save and 0 < keep_latest < 2 and preservation is None:
+            raise CheckpointError(f"{self.root!r}: keep_latest={keep_latest} with async saves: "
+                                  f"it must be at least 2 (or 0, keep all), since the newest "
+                                  f"step may still be saving when the next one starts")
+        self.async_save, self.coordination, self.timeout = async_save, coordination, timeout
+        self.blocking_staging = blocking_staging
+        self.save_policy: SaveDecision = AnyOf(
+            save_policy if save_policy is not None else FixedInterval(interval),
+            Forced(), *([OnPreemption()] if save_on_preemption else []))
+        if preservation is None:
+            preservation = AnyOf(LatestN(keep_latest),
+                                 *([EveryNSteps(keep_every)] if keep_every else []))
+        self.preservation = preservation
+        self.save_rng, self.exclude = save_rng, tuple(exclude_from_loading)
+        self.initial_load_path, self.model_key = initial_load_path, model_key
+        self.export_dtype = export_dtype
+        self.save_on_preemption = save_on_preemption
+        self.process_group = process_group
+        self._storage = open_storage(self.root, **self.storage_options)
+
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            group = process_group if process_group is not None else dist.group.WORLD
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+            self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            if dist.get_backend(group) == "gloo":
+                self._cpu_group = process_group
+            else:  # agree on a CPU group, never the accelerator's communicator
+                ranks = dist.get_process_group_ranks(group)
+                self._cpu_group = dist.new_group(ranks, backend="gloo")
+        else:
+            self.rank, self.world_size, self._src, self._cpu_group = 0, 1, 0, None
+        self.dp_rank, self.dp_degree = data_parallel or (self.rank, self.world_size)
+
+        self.preempted = False
+        self._sigterm = False
+        self._previous_handler: Any = None
+        if save_on_preemption and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._in_flight: tuple[int, AsyncSaveResponse, threading.Event] | None = None
+        self._last_saved: int | None = None
+        self._metrics: dict[int, dict] = {}
+        self._retention: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.errors: list[CheckpointError] = []
+        self._warned = 0
+        self._closed = False
+
+    # ------------------------------------------------------------- queries
+    def step_uri(self, step: int) -> str:
+        return _step_uri(self.root, step)
+
+    def steps(self) -> list[int]:
+        """The complete steps under the root, ascending (one listing)."""
+        return complete_steps(self._storage.list_files())
+
+    def latest_step(self) -> int | None:
+        """The newest complete step: the pointer, checked against that
+        step's committed metadata (O(1) requests), else one listing.  Rank 0
+        moves the pointer after each commit: on another rank, right after a
+        commit, it may still name the step before (complete too)."""
+        pointer = read_pointer(self._storage)
+        if pointer is not None:
+            try:
+                md = read_metadata(self.step_uri(pointer["step"]),
+                                   storage_options=self.storage_options)
+            except CheckpointError:
+                md = None
+            if md is not None and md.save_id == pointer.get("save_id"):
+                return int(pointer["step"])
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # --------------------------------------------------------------- save
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        """The maximum of ``flags`` over the group: one small all-reduce."""
+        if not self.distributed:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return [int(v) for v in t.tolist()]
+
+    def save(self, step: int, state: dict, force: bool = False,
+             metrics: dict[str, float] | None = None) -> bool:
+        """Save ``state`` as ``step`` if the save policy, ``force`` or a
+        preemption says so; returns whether a save started (or, after a
+        preemption, was made).  Collective: call it on every rank at every
+        step.  ``metrics`` (the same on every rank) are kept with the step
+        for :class:`BestN`."""
+        self._check_open()
+        preempted, forced = self._agree([int(self._sigterm), int(force)])
+        ctx = SaveContext(step, bool(forced), bool(preempted))
+        if not self.save_policy.should_save(ctx):
+            return False
+        if preempted and self.save_on_preemption:  # last words: now, synchronously
+            if self._last_saved != step:
+                self._save(step, state, metrics, asynchronous=False)
+            self.wait()
+            self.preempted = True
+            return True
+        if self._last_saved == step:
+            return False
+        self._save(step, state, metrics, asynchronous=self.async_save)
+        return True
+
+    def _compose(self, step: int, state: dict, metrics: dict | None) -> dict:
+        if KEY in state:
+            raise CheckpointError(f"step {step}: the state's key {KEY!r} is the manager's own")
+        plain: dict[str, Any] = {}
+        ranked: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, PerRank):
+                ranked[key] = per_rank.encode(value.get())
+            else:
+                plain[key] = value
+        record = {"rank": self.rank, "dp_rank": self.dp_rank, "dp_degree": self.dp_degree,
+                  "state": ranked, "rng": rng.capture() if self.save_rng else None}
+        plain[KEY] = {"step": step, "world_size": self.world_size, "dp_degree": self.dp_degree,
+                      "metrics": dict(metrics or {}),
+                      "ranks": {f"{self.rank:05d}": per_rank.to_blob(record)}}
+        return plain
+
+    def _save(self, step: int, state: dict, metrics: dict | None, asynchronous: bool) -> None:
+        self.wait()  # one save in flight, and its outcome known
+        composed = self._compose(step, state, metrics)
+        uri = self.step_uri(step)
+        self._last_saved = step
+        self._metrics[step] = dict(metrics or {})
+        if not asynchronous:
+            try:
+                md = sync_save(composed, uri, process_group=self.process_group,
+                               storage_options=self.storage_options)
+            except CheckpointError as e:
+                raise CheckpointError(f"step {step}: {e}") from e
+            self._committed(step, md)
+            return
+        done = threading.Event()
+
+        def finished(response: AsyncSaveResponse) -> None:
+            try:
+                try:
+                    md = response.result()
+                except CheckpointError as e:
+                    self.errors.append(CheckpointError(f"step {step}: the async save to {uri!r} "
+                                                       f"failed: {e}"))
+                    return
+                self._committed(step, md)
+            finally:
+                done.set()
+
+        response = async_save(composed, uri, process_group=self.process_group,
+                              coordination=self.coordination,
+                              storage_options=self.storage_options,
+                              blocking_staging=self.blocking_staging, timeout=self.timeout)
+        self._in_flight = (step, response, done)
+        response.add_done_callback(finished)
+
+    def _committed(self, step: int, md: Metadata) -> None:
+        """After ``step`` committed: rank 0 moves the pointer, then prunes
+        in the background."""
+        if self.rank != 0:
+            return
+        try:
+            self._storage.commit_file(POINTER, json.dumps(
+                {"step": step, "save_id": md.save_id}).encode(), overwrite=True)
+        except Exception as e:  # the listing fallback still finds the step
+            self.errors.append(CheckpointError(f"step {step}: writing {POINTER} failed: "
+                                               f"{type(e).__name__}: {e}"))
+        with self._lock:
+            previous = self._retention
+            self._retention = threading.Thread(target=self._prune, args=(previous,),
+                                               name="dcp-manager-retention", daemon=True)
+            self._retention.start()
+
+    def _prune(self, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
+        in_flight = self._in_flight[0] if self._in_flight is not None else None
+        try:
+            prune_steps(self.root, self.preservation, self.storage_options,
+                        in_flight=in_flight, metrics=self._metrics)
+        except Exception as e:
+            log.warning("hyperdcp: retention under %s failed: %s", self.root, e)
+            self.errors.append(CheckpointError(f"{self.root!r}: retention failed: "
+                                               f"{type(e).__name__}: {e}"))
+
+    def wait_for_staging(self) -> None:
+        """Wait until the save in flight has copied every tensor to host
+        memory (only needed with ``blocking_staging=False``): call it before
+        the optimizer step changes the tensors in place."""
+        if self._in_flight is not None:
+            try:
+                self._in_flight[1].staged.result()
+            except CheckpointError:
+                pass  # the save's failure is reported by wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (and its pointer move) and for
+        retention; a failed save is warned about (:class:`CheckpointWarning`)
+        and listed in :attr:`errors`, the newest complete step untouched."""
+        if self._in_flight is not None:
+            step, _response, done = self._in_flight
+            done.wait()
+            self._in_flight = None
+        with self._lock:
+            retention = self._retention
+        if retention is not None:
+            retention.join()
+        for e in self.errors[self._warned:]:
+            warnings.warn(str(e), CheckpointWarning, stacklevel=2)
+        self._warned = len(self.errors)
+
+    # --------------------------------------------------------------- load
+    def _broadcast(self, value: Any) -> Any:
+        if not self.distributed:
+            return value
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._src, group=self._cpu_group)
+        return box[0]
+
+    def load_latest(self, state: dict) -> int | None:
+        """Load the newest complete step into ``state`` (in place, as
+        :func:`dcp.load`; :class:`PerRank` values through their own rule)
+        and restore this rank's RNG states; returns the step, or ``None``
+        when no step is complete (after loading ``initial_load_path``, if
+        set).  Collective."""
+        self._check_open()
+        self.wait()
+        found: tuple[int, Metadata] | None | CheckpointError = None
+        if self.rank == 0:
+            try:
+                step = self.latest_step()
+                if step is not None:
+                    found = (step, read_metadata(self.step_uri(step),
+                                                 storage_options=self.storage_options))
+            except CheckpointError as e:
+                found = e
+        found = self._broadcast(found)
+        if isinstance(found, CheckpointError):
+            raise found
+        if found is None:
+            if self.initial_load_path is not None:
+                self._initial_load(state)
+            return None
+        step, md = found
+        self._load_step(step, md, state)
+        self._last_saved = step
+        return step
+
+    def _load_step(self, step: int, md: Metadata, state: dict) -> None:
+        where = f"step {step} ({self.step_uri(step)!r})"
+
+        def info(name: str) -> Any:
+            meta = md.objects.get(f"{KEY}.{name}")
+            if meta is None:
+                raise CheckpointError(f"{where} holds no {KEY}.{name}: not saved by a "
+                                      f"CheckpointManager")
+            return meta.value
+
+        saved_world, saved_dp = int(info("world_size")), int(info("dp_degree"))
+        ranked = {k: v for k, v in state.items()
+                  if isinstance(v, PerRank) and k not in self.exclude}
+        resized = saved_dp != self.dp_degree
+        for key, value in ranked.items():
+            if resized and value.on_resize is None:
+                raise CheckpointError(
+                    f"{where}: per-rank state {key!r} was saved with data-parallel degree "
+                    f"{saved_dp} and this job has {self.dp_degree}; give PerRank(..., "
+                    f"on_resize=rule) a rule (e.g. dcp.manager.FromFirstRank()) to resume")
+        own = saved_world == self.world_size
+        wanted = [self.rank] if own and not resized else list(range(saved_world))
+        target = {k: v for k, v in state.items()
+                  if not isinstance(v, PerRank) and k not in self.exclude}
+        target[KEY] = {"ranks": {f"{r:05d}": b"" for r in wanted}}
+        load(target, self.step_uri(step), process_group=self.process_group,
+             storage_options=self.storage_options)
+        for k, v in target.items():  # plain values were replaced in the copy
+            if k != KEY and k in state and state[k] is not v:
+                state[k] = v
+        records = {r: per_rank.from_blob(target[KEY]["ranks"][f"{r:05d}"], f"{where}, rank {r}")
+                   for r in wanted}
+        mine = records.get(self.rank) if own else None
+        if mine is not None and mine["dp_rank"] != self.dp_rank:
+            mine = None
+        if mine is None and not resized:
+            mine = next((rec for _, rec in sorted(records.items())
+                         if rec["dp_rank"] == self.dp_rank), None)
+        for key, value in ranked.items():
+            if not resized:
+                if mine is None or key not in mine["state"]:
+                    raise CheckpointError(f"{where}: no per-rank state {key!r} for "
+                                          f"data-parallel rank {self.dp_rank}")
+                value.put(per_rank.decode(mine["state"][key]))
+                continue
+            by_dp: dict[int, Any] = {}
+            for _, rec in sorted(records.items()):
+                if key not in rec["state"]:
+                    raise CheckpointError(f"{where}, rank {rec['rank']}: no per-rank state "
+                                          f"{key!r}")
+                by_dp.setdefault(rec["dp_rank"], per_rank.decode(rec["state"][key]))
+            assert value.on_resize is not None
+            value.put(value.on_resize([by_dp[d] for d in sorted(by_dp)], self.dp_rank,
+                                      self.dp_degree))
+        if self.save_rng:
+            source = records.get(self.rank) if own else mine
+            if source is not None and source.get("rng") is not None:
+                rng.restore(source["rng"], f"{where}, rank {self.rank}")
+            else:
+                warnings.warn(f"{where}: saved on {saved_world} ranks with data-parallel degree "
+                              f"{saved_dp}; this job has {self.world_size} and "
+                              f"{self.dp_degree}: RNG states not restored on rank {self.rank}",
+                              CheckpointWarning, stacklevel=3)
+
+    def _initial_load(self, state: dict) -> None:
+        path = str(self.initial_load_path)
+        if self.model_key not in state:
+            raise CheckpointError(f"initial_load_path {path!r}: the state has no "
+                                  f"{self.model_key!r} to load it into")
+        model = state[self.model_key]
+        target = model.state_dict() if callable(getattr(model, "state_dict", None)) else model
+        try:
+            md = read_metadata(path, storage_options=self.storage_options)
+        except NotACheckpointError:
+            md = None
+        if md is None:
+            from dcp.interop.safetensors_io import load_safetensors
+
+            load_safetensors(target, path, process_group=self.process_group,
+                             allow_dtype_cast=True)
+        else:
+            prefixed = any(f.startswith(self.model_key + ".") for f in md.fqns())
+            load({self.model_key: target} if prefixed else target, path, allow_dtype_cast=True,
+                 process_group=self.process_group, storage_options=self.storage_options)
+        if target is not model:
+            model.load_state_dict(target)
+
+    # ------------------------------------------------------------- export
+    def export(self, step: int, model_state: Any, *, dtype: torch.dtype | None = None,
+               safetensors: bool = False, path: str | None = None) -> str:
+        """Save the model only (``model_state``), floating tensors cast to
+        ``dtype`` (default ``export_dtype``), to ``path`` (default
+        ``<root>/export-<step>``), as a checkpoint or, with
+        ``safetensors=True``, as a Hugging Face safetensors folder; returns
+        where.  Collective."""
+        self.wait()
+        dtype = dtype if dtype is not None else self.export_dtype
+        sd = model_state.state_dict() if callable(getattr(model_state, "state_dict", None)) \
+            else model_state
+        cast = {k: (v.to(dtype) if dtype is not None and isinstance(v, torch.Tensor)
+                    and v.is_floating_point() else v) for k, v in sd.items()}
+        dest = checkpoint_uri(path) if path else f"{self.root.rstrip('/')}/export-{step}"
+        if not safetensors:
+            sync_save(cast, dest, process_group=self.process_group,
+                      storage_options=self.storage_options)
+            return dest
+        staging = f"{dest.rstrip('/')}/.dcp"
+        sync_save(cast, staging, process_group=self.process_group,
+                  storage_options=self.storage_options)
+        if self.rank == 0:
+            from dcp.interop.safetensors_io import checkpoint_to_safetensors
+
+            checkpoint_to_safetensors(staging, dest, storage_options=self.storage_options)
+            store = open_storage(staging, **self.storage_options)
+            store.delete(store.list_files())
+        if self.distributed:
+            dist.barrier(group=self._cpu_group)
+        return dest
+
+    # ------------------------------------------------------------- close
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.root!r}: the CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight and retention; restore the SIGTERM handler."""
+        if self._closed:
+            return
+        self.wait()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+        self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

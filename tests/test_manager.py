@@ -1,0 +1,373 @@
+"""dcp.CheckpointManager: policies and per-rank rules without processes; a
+job killed with SIGKILL during an async save and relaunched (separate
+processes: tests/manager_job.py); retention, preemption and a change of the
+data-parallel degree on 2 real gloo ranks, each on a path, ``shm://`` and
+``s3://`` (moto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dcp
+import s3_server
+from dcp.manager.manager import POINTER, prune_steps
+from dcp.manager.policies import StepInfo, to_delete
+from dist_harness import dist_scenario
+
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------- no processes
+def test_policies_compose_any_of():
+    steps = [StepInfo(s, {"loss": loss}) for s, loss in
+             [(10, 5.0), (20, 1.0), (30, 3.0), (40, 2.0), (50, 4.0)]]
+    assert dcp.LatestN(2).keep(steps) == {40, 50}
+    assert dcp.LatestN(0).keep(steps) == {10, 20, 30, 40, 50}
+    assert dcp.EveryNSteps(20).keep(steps) == {20, 40}
+    assert dcp.BestN("loss", 2).keep(steps) == {20, 40}
+    assert dcp.BestN("loss", 1, mode="max").keep(steps) == {10}
+    policy = dcp.AnyOf(dcp.LatestN(1), dcp.BestN("loss", 1), dcp.EveryNSteps(30))
+    assert to_delete(policy, steps) == [10, 40]
+    # never the newest, never the one in flight, whatever the policy says
+    assert to_delete(dcp.BestN("loss", 1), steps, in_flight=30) == [10, 40]
+    decide = dcp.AnyOf(dcp.FixedInterval(5), dcp.SpecificSteps([7]), dcp.Forced())
+    from dcp.manager.policies import SaveContext
+    assert [s for s in range(1, 12) if decide.should_save(SaveContext(s))] == [5, 7, 10]
+    assert decide.should_save(SaveContext(3, forced=True))
+    assert dcp.OnPreemption().should_save(SaveContext(3, preempted=True))
+    with pytest.raises(dcp.CheckpointError, match="interval"):
+        dcp.FixedInterval(0)
+
+
+def test_resize_rules_and_per_rank_encoding():
+    from dcp.manager import per_rank
+    states = [{"pos": 7, "epoch": 1}, {"pos": 4, "epoch": 1}, {"pos": 5, "epoch": 1}]
+    split = [dcp.SumOf("pos")(states, r, 2) for r in range(2)]
+    assert split == [{"pos": 8, "epoch": 1}, {"pos": 8, "epoch": 1}]
+    assert sum(s["pos"] for s in [dcp.SumOf("pos")(states, r, 5) for r in range(5)]) == 16
+    assert dcp.FromFirstRank()(states, 1, 2) is states[0]
+    value = {"t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "e": torch.empty(0, 2),
+             "n": [1, "a", None, 2.5]}
+    back = per_rank.decode(json.loads(per_rank.to_blob({"v": per_rank.encode(value)}))["v"])
+    assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.bfloat16
+    assert back["e"].shape == (0, 2) and back["n"] == value["n"]
+    with pytest.raises(dcp.CheckpointError, match="set"):
+        per_rank.encode({1, 2})
+
+
+def test_keep_latest_1_with_async_and_coordination_none_are_refused(tmp_path):
+    with pytest.raises(dcp.CheckpointError, match="at least 2"):
+        dcp.CheckpointManager(tmp_path, keep_latest=1)
+    with pytest.raises(dcp.CheckpointError, match="'none'"):
+        dcp.CheckpointManager(tmp_path, coordination="none")
+    dcp.CheckpointManager(tmp_path, keep_latest=1, async_save=False).close()
+
+
+def _steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in root.glob("step-*"))
+
+
+def test_pointer_listing_fallback_initial_load_and_export(tmp_path):
+    """Synchronous saves in one process: the pointer names the newest step;
+    a stale or missing pointer falls back to the listing; an incomplete newer
+    step is never the latest; initial_load_path (checkpoint or safetensors
+    folder) when nothing is complete; the export is model-only and cast."""
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    mgr = dcp.CheckpointManager(root, interval=10, keep_latest=2, async_save=False)
+    for step in range(1, 31):
+        assert mgr.save(step, {"model": model}) == (step % 10 == 0)
+    mgr.wait()  # retention runs in the background
+    assert mgr.steps() == [20, 30] and _steps_on_disk(root) == [20, 30]
+    assert json.loads((root / POINTER).read_text())["step"] == 30
+    (root / "step-40").mkdir()  # a save that never committed
+    (root / "step-40" / "r00000-0.x.data").write_bytes(b"partial")
+    assert mgr.latest_step() == 30
+    (root / POINTER).write_text(json.dumps({"step": 30, "save_id": "stale"}))
+    assert mgr.latest_step() == 30  # by listing
+    (root / POINTER).unlink()
+    assert mgr.latest_step() == 30
+    assert mgr.save(30, {"model": model}) is False  # already saved
+    with torch.no_grad():
+        model.weight.fill_(2.5)
+    assert mgr.save(31, {"model": model}, force=True)
+    mgr.wait()
+    # a newer incomplete step (a killed save's leftovers) is left to the save that redoes it
+    assert mgr.steps() == [30, 31] and _steps_on_disk(root) == [30, 31, 40]
+    mgr.close()
+
+    # export: model only, cast, as a checkpoint and as safetensors
+    mgr = dcp.CheckpointManager(root, async_save=False, export_dtype=torch.bfloat16)
+    ckpt = mgr.export(31, model)
+    md = dcp.read_metadata(ckpt)
+    assert set(md.tensors) == {"weight", "bias"} and md.tensors["weight"].dtype == "bfloat16"
+    folder = mgr.export(31, model.state_dict(), safetensors=True, path=str(tmp_path / "hf"),
+                        dtype=torch.float16)
+    assert (Path(folder) / "model.safetensors").exists() or list(Path(folder).glob("*.safetensors"))
+    mgr.close()
+
+    # initial loads into an empty root
+    for source in (ckpt, folder):
+        fresh = torch.nn.Linear(4, 3)
+        m = dcp.CheckpointManager(tmp_path / f"empty-{Path(source).name}", async_save=False,
+                                  initial_load_path=source, save_rng=False)
+        assert m.load_latest({"model": fresh}) is None
+        assert torch.equal(fresh.weight, torch.full((3, 4), 2.5))
+        m.close()
+
+
+def test_prune_steps_keeps_what_it_must(tmp_path):
+    root = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        dcp.save({"x": torch.ones(2) * step, "_manager": {"metrics": {"loss": 5 - step}}},
+                 str(root / f"step-{step}"))
+    (root / "step-5").mkdir()
+    (root / "step-5" / "r00000-0.a.data").write_bytes(b"in flight")
+    deleted = prune_steps(str(root), dcp.AnyOf(dcp.LatestN(1), dcp.BestN("loss", 1, "max")),
+                          in_flight=5)
+    assert deleted == [2, 3] and _steps_on_disk(root) == [1, 4, 5]
+
+
+# ------------------------------------------- SIGKILL mid-save, then restart
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, root: str, out: Path, steps: int, *extra: str) -> list[int]:
+    port = _free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    leader = None
+    procs = []
+    for rank in range(world):
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HERE / "manager_job.py"), str(rank), str(world), str(port),
+             root, str(out), str(steps), *extra], env=env,
+            process_group=0 if leader is None else leader.pid))
+        leader = leader or procs[0]
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=120))
+        except subprocess.TimeoutExpired:
+            os.killpg(procs[0].pid, signal.SIGKILL)
+            raise
+    return codes
+
+
+def _records(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in Path(f"{out}.{rank}").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("backend", ["posix", "s3"])  # shm: in the 2-rank scenarios below
+def test_sigkill_during_async_save_resumes_bit_exact(tmp_path, backend):
+    """The job (2 ranks, async saves every 2 steps, keep_latest=2) is killed
+    with SIGKILL, trainers and background savers, right after step 6's save
+    started; the relaunch resumes from step 4, the newest complete step, and
+    steps 5 and 6 repeat exactly: losses, every generator's draws, each
+    rank's loader position."""
+    extra: list[str] = []
+    if backend == "posix":
+        root = str(tmp_path / "run")
+    elif backend == "shm":
+        root = f"shm://hyperdcp-test-manager-{uuid.uuid4().hex[:8]}"
+    else:
+        url = s3_server.endpoint()
+        root, extra = s3_server.fresh_url("manager-kill"), ["--endpoint", url]
+    out = tmp_path / "out"
+    try:
+        codes = _launch(2, root, out, 8, "--kill-at", "6", *extra)
+        assert codes[0] == -signal.SIGKILL, codes
+        mgr = dcp.CheckpointManager(root, storage_options=s3_server.options(url)
+                                    if backend == "s3" else None)
+        assert mgr.steps() == [2, 4], mgr.steps()  # step 6 never committed
+        mgr.close()
+        first = [_records(out, r) for r in range(2)]
+        Path(f"{out}.0").rename(f"{out}.first.0")
+        Path(f"{out}.1").rename(f"{out}.first.1")
+        assert _launch(2, root, out, 8, *extra) == [0, 0]
+        for r in range(2):
+            again = _records(out, r)
+            assert again[0] == {"resumed": 4}
+            before = {rec["step"]: rec for rec in first[r] if "step" in rec}
+            after = {rec["step"]: rec for rec in again if "step" in rec}
+            assert sorted(after) == [5, 6, 7, 8]
+            for step in (5, 6):
+                assert after[step] == before[step], (r, step, after[step], before[step])
+            assert after[8]["pos"] == 8 * (r + 1)
+    finally:
+        if backend == "shm":
+            import shutil
+            shutil.rmtree(f"/dev/shm/hyperdcp/{root[len('shm://'):]}", ignore_errors=True)
+
+
+# ------------------------------------------- 2 real ranks: path, shm://, s3://
+def _shared(value_on_rank0):
+    box = [value_on_rank0() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _roots(ctx, label: str) -> list[tuple[str, dict | None]]:
+    """The same run root on a path, on shm:// and on S3, known to every rank."""
+    endpoint = _shared(s3_server.endpoint)
+    tag = _shared(lambda: uuid.uuid4().hex[:8])
+    return [(str(ctx.dir / label), None),
+            (f"shm://hyperdcp-test-{label}-{tag}", None),
+            (f"s3://{s3_server.BUCKET}/{label}-{tag}", s3_server.options(endpoint))]
+
+
+def _drop_shm(root: str) -> None:
+    if root.startswith("shm://") and dist.get_rank() == 0:
+        import shutil
+        shutil.rmtree(f"/dev/shm/hyperdcp/{root[len('shm://'):]}", ignore_errors=True)
+
+
+@dist_scenario(world_size=2)
+def test_manager_retention_under_async_saves_and_a_failed_save_w2(ctx):
+    """keep_latest=2, keep_every=8, async saves every 2 steps; step 10's
+    replicas diverge, so its save fails in the background: retention never
+    deletes the newest complete step nor the step in flight, the failure is
+    warned about at the next save, the pointer stays on step 8, and step 12
+    then commits and prunes."""
+    for root, options in _roots(ctx, "retention"):
+        mgr = dcp.CheckpointManager(root, interval=2, keep_latest=2, keep_every=8,
+                                    storage_options=options, timeout=30)
+        w = torch.zeros(64)
+        committed: list[int] = []
+        for step in range(1, 13):
+            w += 1
+            state = {"w": w + (ctx.rank if step == 10 else 0), "step": step}
+            assert mgr.save(step, state) == (step % 2 == 0)
+            if step % 2 == 0:
+                on_disk = mgr.steps()  # while `step` is in flight
+                if committed:
+                    assert committed[-1] in on_disk, (step, committed, on_disk)
+                    assert mgr.latest_step() in (committed[-1], step)
+                assert set(on_disk) <= {*committed, step}
+                if step == 10:
+                    with pytest.warns(dcp.CheckpointWarning, match="step 10.*different values"):
+                        mgr.wait()
+                else:
+                    mgr.wait()
+                if step != 10:
+                    committed.append(step)
+                # rank 0 moves the pointer and prunes: its view once it waited
+                assert _shared(mgr.latest_step) == committed[-1]
+                expected = sorted({*committed[-2:], *(s for s in committed if s % 8 == 0)})
+                assert _shared(mgr.steps) == expected, (step, expected)
+        assert mgr.steps() == [8, 12] and any("step 10" in str(e) for e in mgr.errors)
+        if ctx.rank == 0:
+            storage = dcp.core.storage.open_storage(root, **(options or {}))
+            assert json.loads(storage.read_file(POINTER))["step"] == 12
+        target = {"w": torch.zeros(64), "step": 0}
+        assert mgr.load_latest(target) == 12
+        assert torch.equal(target["w"], torch.full((64,), 12.0)) and target["step"] == 12
+        mgr.close()
+        _drop_shm(root)
+
+
+@dist_scenario(world_size=2)
+def test_manager_sigterm_on_one_rank_makes_every_rank_save_the_same_step_w2(ctx):
+    """SIGTERM to rank 1 only, between steps 3 and 4: at step 4 (not an
+    interval step) every rank saves step 4 synchronously and `preempted` is
+    True on both; the last words load back exactly."""
+    for root, options in _roots(ctx, "preempt"):
+        mgr = dcp.CheckpointManager(root, interval=3, keep_latest=2, storage_options=options,
+                                    timeout=30)
+        w = torch.zeros(8)
+        saved = []
+        for step in range(1, 10):
+            w += step
+            if step == 4 and ctx.rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.save(step, {"w": w}):
+                saved.append(step)
+            if mgr.preempted:
+                break
+        assert saved == [3, 4] and step == 4
+        assert _shared(mgr.steps) == [3, 4]
+        mgr.close()
+        assert signal.getsignal(signal.SIGTERM) is not mgr._on_sigterm
+        again = dcp.CheckpointManager(root, storage_options=options)
+        target = {"w": torch.zeros(8)}
+        assert again.load_latest(target) == 4 and torch.equal(target["w"], torch.full((8,), 10.0))
+        assert not again.preempted
+        again.close()
+        _drop_shm(root)
+
+
+class _Loader:
+    """A Stateful data loader position."""
+
+    def __init__(self, pos: int = -1) -> None:
+        self.pos = pos
+
+    def state_dict(self):
+        return {"pos": self.pos, "seen": torch.tensor([self.pos, 2 * self.pos])}
+
+    def load_state_dict(self, sd) -> None:
+        self.pos = sd["pos"]
+        assert torch.equal(sd["seen"], torch.tensor([self.pos, 2 * self.pos]))
+
+
+@dist_scenario(world_size=2)
+def test_manager_per_rank_state_rng_and_data_parallel_degree_change_w2(ctx):
+    """Saved under DP2: the same layout resumes each rank's loader and RNG
+    streams exactly; under DP1 x TP2 (data_parallel=(0, 1)) a per-rank value
+    without a rule raises on every rank naming the key and both degrees, and
+    declared rules (SumOf, FromFirstRank) apply."""
+    import random
+
+    import numpy as np
+    for root, options in _roots(ctx, "per-rank"):
+        random.seed(ctx.rank)
+        np.random.seed(ctx.rank)
+        torch.manual_seed(ctx.rank)
+        mgr = dcp.CheckpointManager(root, interval=1, storage_options=options, timeout=30)
+        state = {"w": torch.ones(4), "loader": dcp.PerRank(_Loader(10 * (ctx.rank + 1))),
+                 "count": dcp.PerRank({"samples": 3 + ctx.rank, "epoch": 2})}
+        assert mgr.save(1, state)
+        mgr.wait()
+        draws = (torch.rand(5), random.random(), np.random.rand())
+        mgr.close()
+
+        loader, count = _Loader(), {}
+        mgr = dcp.CheckpointManager(root, storage_options=options)
+        assert mgr.load_latest({"w": torch.zeros(4), "loader": dcp.PerRank(loader),
+                                "count": dcp.PerRank(count)}) == 1
+        assert loader.pos == 10 * (ctx.rank + 1) and count == {"samples": 3 + ctx.rank,
+                                                               "epoch": 2}
+        again = (torch.rand(5), random.random(), np.random.rand())
+        assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
+        mgr.close()
+
+        mgr = dcp.CheckpointManager(root, storage_options=options, data_parallel=(0, 1))
+        with pytest.raises(dcp.CheckpointError) as info:
+            mgr.load_latest({"w": torch.zeros(4), "loader": dcp.PerRank(_Loader())})
+        message = str(info.value)
+        assert "'loader'" in message and "degree 2" in message and "has 1" in message, message
+        loader, count = _Loader(), {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mgr.load_latest({
+                "w": torch.zeros(4), "loader": dcp.PerRank(loader, dcp.FromFirstRank()),
+                "count": dcp.PerRank(count, dcp.SumOf("samples"))}) == 1
+        assert loader.pos == 10 and count == {"samples": 7, "epoch": 2}
+        mgr.close()
+        _drop_shm(root)
