@@ -371,3 +371,29 @@ def test_manager_per_rank_state_rng_and_data_parallel_degree_change_w2(ctx):
         assert loader.pos == 10 and count == {"samples": 7, "epoch": 2}
         mgr.close()
         _drop_shm(root)
+
+
+def test_cli_list_shows_steps_and_pointer_and_prune_keeps_latest(tmp_path, capsys):
+    from dcp.tools.cli import main
+    root = tmp_path / "run"
+    mgr = dcp.CheckpointManager(root, interval=1, keep_latest=0, async_save=False,
+                                save_rng=False)
+    for step in (2, 9, 10):
+        mgr.save(step, {"x": torch.full((3,), float(step))})
+    mgr.close()
+    (root / "step-11").mkdir()
+    (root / "step-11" / "r00000-0.z.data").write_bytes(b"killed")
+    assert main(["list", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "latest.json: step 10 (verified)"
+    assert [line.split(":")[0] for line in out[1:5]] == ["step-2", "step-9", "step-10", "step-11"]
+    assert "step-11: incomplete" in out[4] and "complete;" in out[1]
+    assert main(["list", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [e["name"] for e in listed if e.get("latest")] == ["step-10"]
+    assert main(["prune", str(root), "--keep-latest", "1"]) == 0
+    assert "deleted step(s) 2, 9" in capsys.readouterr().out
+    assert _steps_on_disk(root) == [10, 11]  # the newer incomplete one may be a save in flight
+    with pytest.raises(SystemExit) as info:
+        main(["prune", str(root), "--keep-latest", "0"])
+    assert info.value.code == 2

@@ -15,9 +15,11 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
   the source format is detected.
 * ``hyperdcp list ROOT`` — every checkpoint under a root (or the one it
   is): complete or incomplete, size, age, orphaned files
-  (:mod:`dcp.orchestration.inventory`).
+  (:mod:`dcp.orchestration.inventory`); for a :class:`dcp.CheckpointManager`
+  root, its steps in order and the step its ``latest.json`` names.
 * ``hyperdcp prune URI`` — deletes the orphaned files under a checkpoint or
-  root: what saves killed before their cleanup left.
+  root: what saves killed before their cleanup left; ``--keep-latest N``
+  also deletes all but the newest N complete steps of a manager's root.
 
 A URI is a path or any URI a storage plugin serves; ``-o [SCHEME:]KEY=VALUE``
 passes options to the plugins (with ``SCHEME:``, only to that scheme's).
@@ -57,6 +59,8 @@ from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointEr
 from dcp.interop import safetensors_io, torch_dcp_io
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
+from dcp.manager.manager import STEP_PREFIX, prune_steps, read_pointer, step_of
+from dcp.manager.policies import LatestN
 from dcp.orchestration import inventory
 from dcp.orchestration.load import read_metadata
 from dcp.tools.diff import diff
@@ -239,18 +243,42 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f} s ago"
 
 
+def _latest(root: str, options: dict, found: list) -> tuple[int | None, str]:
+    """The step a manager root's ``latest.json`` names, and whether that
+    step is complete with the same save id (``"verified"``) or not."""
+    pointer = read_pointer(open_storage(root, **options))
+    if pointer is None:
+        return None, ""
+    step = pointer["step"]
+    entry = next((e for e in found if e.name == f"{STEP_PREFIX}{step}"), None)
+    ok = (entry is not None and entry.metadata is not None
+          and entry.metadata.save_id == pointer.get("save_id"))
+    return step, "verified" if ok else "stale: hyperdcp and load_latest fall back to listing"
+
+
+def _by_step(entry) -> tuple:
+    """Order step folders by their number, others by name."""
+    step = step_of(f"{entry.name}/x")
+    return (entry.name.rpartition("/")[0], step if step is not None else -1, entry.name)
+
+
 def _list(args) -> int:
-    options = _options(args.option)
-    found = inventory.scan(args.root, _options_for(args.root, options))
+    options = _options_for(args.root, _options(args.option))
+    found = sorted(inventory.scan(args.root, options), key=_by_step)
+    latest, verdict = _latest(args.root, options, found)
     if args.json:
         print(json.dumps([{"name": e.name, "uri": e.uri, "state": e.state, "nbytes": e.nbytes,
                            "age_s": e.age_s, "orphans": sorted(e.orphans),
-                           "orphan_bytes": e.orphan_bytes, "detail": e.detail}
+                           "orphan_bytes": e.orphan_bytes, "detail": e.detail,
+                           **({"latest": True} if latest is not None
+                              and e.name == f"{STEP_PREFIX}{latest}" else {})}
                           for e in found], indent=1))
         return 0
     if not found:
         print(f"{args.root}: no checkpoint there")
         return 0
+    if latest is not None:
+        print(f"latest.json: step {latest} ({verdict})")
     for e in found:
         state = e.state
         if e.state == inventory.COMPLETE and e.orphans:
@@ -268,9 +296,21 @@ def _list(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _prune(args) -> int:
     options = _options(args.option)
-    result = inventory.prune(args.uri, args.min_age * 60, _options_for(args.uri, options))
+    options = _options_for(args.uri, options)
+    result = inventory.prune(args.uri, args.min_age * 60, options)
+    if args.keep_latest is not None:
+        steps = prune_steps(args.uri, LatestN(args.keep_latest), options)
+        print(f"{args.uri}: deleted step(s) {', '.join(map(str, steps)) or 'none'} "
+              f"(kept the newest {args.keep_latest} complete)")
     for uri, size in result.removed.items():
         print(f"removed {uri} ({_size(size)})")
     total = sum(s or 0 for s in result.removed.values())
@@ -449,6 +489,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-age", type=float, default=60.0, metavar="MINUTES",
                    help="delete only files written at least this long ago, so that a save "
                         "still in flight keeps its files (default %(default)g; 0: all)")
+    p.add_argument("--keep-latest", type=_at_least_one, metavar="N",
+                   help="under a CheckpointManager root: also delete every complete step "
+                        "but the newest N, and the files of incomplete steps older than the "
+                        "newest complete one (a step in flight is newer: kept)")
     p.set_defaults(run=_prune)
     return parser
 
