@@ -15,10 +15,13 @@ the 505B-class layout of :mod:`benchmarks.scale` (TP x PP x DP): step 1
 (*plans*) gathers every rank's local save plan and answers each rank with
 its final plan from ``DefaultSavePlanner.create_global_plan``; step 2
 (*results*) gathers the write results and answers everyone with the
-metadata from ``dcp.orchestration.save.build_metadata`` (one shared answer).
+metadata from ``dcp.orchestration.save.build_metadata``, committed as a save
+commits it (``commit_metadata``: encoded once, the answer reuses the bytes),
+one shared answer.
 A save whose plan is cached runs the *results* step only.  Per step: the
 critical path (slowest rank from its start to its answer), the
-coordinator's part and its compute (planning, metadata), and the storage
+coordinator's part, its CPU time (the process's, which a loaded machine
+inflates less than wall time) and its compute (planning, metadata), and the storage
 requests of the coordinator and of the other ranks.
 
     python -m benchmarks.coordination [--ranks 512 2048 10240] [--stores posix s3] [--gloo 2 4 8]
@@ -40,8 +43,9 @@ from pathlib import Path
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase, PerRank
 from dcp.coordination.file_flag import FileCoordinator, answer_poll_cap, poll_delays
+from dcp.core.metadata import METADATA_FILE
 from dcp.core.planner import SavePlan
-from dcp.orchestration.save import WriteResult, build_metadata
+from dcp.orchestration.save import WriteResult, build_metadata, commit_metadata
 from planners.save import DefaultSavePlanner
 from storage_plugins.posix import PosixStorage
 
@@ -129,8 +133,10 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
             decls.update(p.tensors)
         return PerRank(DefaultSavePlanner().create_global_plan(parts))
 
-    def commit(parts: list[WriteResult]):
-        return build_metadata("0123456789abcdef", ranks, decls, parts)
+    def commit(parts: list[WriteResult]):  # as _Save.commit: build, encode once, publish
+        md = build_metadata("0123456789abcdef", ranks, decls, parts)
+        commit_metadata(storage, METADATA_FILE, md, overwrite=True)
+        return md
 
     sample = sorted({1, ranks - 1, *range(1, ranks, max(1, ranks // ANSWER_SAMPLE))})
     cap = answer_poll_cap(ranks)
@@ -151,7 +157,9 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
                 compute.append(time.perf_counter() - t)
                 return out
 
+            cpu = time.process_time()  # this process: the coordinator and its read pool
             coordinator = timed(coords[0].step, step, lambda parts=parts: parts[0], timed_global)
+            cpu = time.process_time() - cpu
             ready = max(inputs) + coordinator
             late, misses, answers = [], [], []
             for r in sample:
@@ -164,6 +172,7 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
             row.update({
                 f"{step}_rank_part_s": max(inputs),
                 f"{step}_coordinator_s": coordinator,
+                f"{step}_coordinator_cpu_s": cpu,
                 f"{step}_compute_s": compute[0],
                 f"{step}_rank_answer_s": max(answers),
                 f"{step}_critical_s": ready + max(late),
@@ -308,9 +317,11 @@ COLUMNS: list[Column] = [
     ("plans: critical path s", _opt("plans_critical_s")),
     ("plans: coordinator s", _opt("plans_coordinator_s")),
     ("planning s", _opt("plans_compute_s")),
+    ("plans: coordinator CPU s", _opt("plans_coordinator_cpu_s")),
     ("results: critical path s", _opt("results_critical_s")),
     ("results: coordinator s", _opt("results_coordinator_s")),
     ("metadata s", _opt("results_compute_s")),
+    ("results: coordinator CPU s", _opt("results_coordinator_cpu_s")),
     ("coordinator requests per step", lambda r: (
         f"{r['plans_coordinator_requests']:.0f} / {r['results_coordinator_requests']:.0f}"
         if "plans_coordinator_requests" in r else "–")),

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -58,6 +59,10 @@ _PLAIN, _ZSTD = 0, 1
 COMPRESS_ABOVE = 256
 #: The most bytes a compressed body may inflate to.
 MAX_PAYLOAD_BYTES = 1 << 30
+
+#: Subclasses encoded as the class they stand for: decoded plans and write
+#: results that keep their columns.
+_ALIASES: dict[type, str] = {ColumnarSavePlan: "SavePlan"}
 
 # name -> (class, to_wire, from_wire, columnar)
 _CODECS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any], bool]] = {}
@@ -109,13 +114,6 @@ def _strs(column: Any, what: str) -> list[str]:
     return column
 
 
-def _index(column: Any, what: str, table: list, length: int) -> list[int]:
-    _ints(column, what, length)
-    if column and (min(column) < 0 or max(column) >= len(table)):
-        raise ValueError(f"{what}: index outside the table of {len(table)}")
-    return column
-
-
 class _Strings:
     """A string table: each distinct string once, referred to by index."""
 
@@ -157,15 +155,6 @@ def _keyed(strings: _Strings, values: dict[tuple[str, tuple[int, ...]], int]) ->
     ndims, flat = _boxes([offsets for _, offsets in values])
     return {"f": strings.all([fqn for fqn, _ in values]), "k": ndims, "o": flat,
             "v": list(values.values())}
-
-
-def _unkeyed(doc: Any, strings: list[str], what: str) -> dict:
-    if type(doc) is not dict:
-        raise ValueError(f"{what}: columns expected")
-    values = _ints(doc["v"], f"{what} values")
-    fqns = _index(doc["f"], f"{what} names", strings, len(values))
-    boxes = _unboxes(_ints(doc["k"], what, len(values)), _ints(doc["o"], what), what)
-    return {(strings[f], box): v for f, box, v in zip(fqns, boxes, values, strict=True)}
 
 
 #: Decoded tensor tables of plans by their text: the ranks of one data
@@ -260,57 +249,176 @@ def _plan_from_wire(doc: Any) -> SavePlan:
     return ColumnarSavePlan(tensors, PlanColumns(strings, fqns, ndims, offsets, sizes, nbytes))
 
 
+@dataclass
+class ResultColumns:
+    """A write result's chunks, fingerprints and replicas as int64 columns
+    over one string table ``strings`` (fqns and file names).  Chunks:
+    ``fqn``, ``file`` (indices into ``strings``), ``ndim``, flat
+    ``offsets``/``sizes``, ``at`` (byte offset), ``nbytes``, ``crc`` (-1:
+    none), ``rank``.  ``prints`` and ``replicas``: ``(fqn, ndim, flat
+    offsets, value)``."""
+
+    strings: list[str]
+    fqn: np.ndarray
+    file: np.ndarray
+    ndim: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    at: np.ndarray
+    nbytes: np.ndarray
+    crc: np.ndarray
+    rank: np.ndarray
+    prints: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    replicas: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+    def chunks(self) -> list[tuple[str, ChunkMeta]]:
+        s, ndims = self.strings, self.ndim.tolist()
+        offsets = _unboxes(ndims, self.offsets.tolist(), "chunk offsets")
+        sizes = _unboxes(ndims, self.sizes.tolist(), "chunk sizes")
+        return [(s[f], ChunkMeta(o, z, s[file], at, n, None if crc < 0 else crc, r))
+                for f, file, o, z, at, n, crc, r in zip(
+                    self.fqn.tolist(), self.file.tolist(), offsets, sizes, self.at.tolist(),
+                    self.nbytes.tolist(), self.crc.tolist(), self.rank.tolist(), strict=True)]
+
+    def keyed(self, which: str) -> dict:
+        fqn, ndim, flat, values = getattr(self, which)
+        boxes = _unboxes(ndim.tolist(), flat.tolist(), which)
+        s = self.strings
+        return {(s[f], box): v for f, box, v in zip(fqn.tolist(), boxes, values.tolist(),
+                                                      strict=True)}
+
+
+def result_columns(result: Any) -> ResultColumns:
+    """A write result's columns: a decoded one's own, else built from its
+    objects."""
+    own = getattr(result, "columns", None)
+    if own is not None and result.__dict__.get("_chunks") is None and (
+            result.__dict__.get("_prints") is None and result.__dict__.get("_replicas") is None):
+        return own
+    doc = _result_doc(result)
+    return _result_columns(doc, doc["s"])
+
+
+def _result_doc(result: Any) -> dict:
+    strings = _Strings()
+    metas = [meta for _, meta in result.chunks]
+    ndims, offsets = _boxes([m.offsets for m in metas])
+    _, sizes = _boxes([m.sizes for m in metas])
+    chunks = {"f": strings.all([fqn for fqn, _ in result.chunks]),
+              "file": strings.all([m.file for m in metas]), "k": ndims, "o": offsets,
+              "z": sizes,
+              "at": [m.byte_offset for m in metas], "n": [m.nbytes for m in metas],
+              "crc": [-1 if m.checksum is None else m.checksum for m in metas],
+              "rank": [m.rank for m in metas]}
+    return {"chunks": chunks, "prints": _keyed(strings, result.fingerprints),
+            "replicas": _keyed(strings, result.replicas), "s": strings.table}
+
+
+def _keyed_columns(doc: Any, strings: list[str], what: str) -> tuple:
+    if type(doc) is not dict:
+        raise ValueError(f"{what}: columns expected")
+    values = _array(doc["v"], f"{what} values")
+    fqns = _array(doc["f"], f"{what} names", len(values))
+    if len(fqns) and (fqns.min() < 0 or fqns.max() >= len(strings)):
+        raise ValueError(f"{what} names: index outside the table of {len(strings)}")
+    ndims = _array(doc["k"], what, len(values))
+    if len(ndims) and ndims.min() < 0:
+        raise ValueError(f"{what}: negative ranks")
+    flat = _array(doc["o"], what, int(ndims.sum()))
+    return fqns, ndims, flat, values
+
+
+def _result_columns(doc: dict, strings: list[str]) -> ResultColumns:
+    c = doc["chunks"]
+    if type(c) is not dict:
+        raise ValueError("WriteResult chunks: columns expected")
+    nbytes = _array(c["n"], "chunk sizes")
+    count = len(nbytes)
+    fqns = _array(c["f"], "chunk names", count)
+    files = _array(c["file"], "chunk files", count)
+    for column, what in ((fqns, "chunk names"), (files, "chunk files")):
+        if count and (column.min() < 0 or column.max() >= len(strings)):
+            raise ValueError(f"{what}: index outside the table of {len(strings)}")
+    ndims = _array(c["k"], "chunk ranks", count)
+    if count and ndims.min() < 0:
+        raise ValueError("chunk ranks: negative")
+    total = int(ndims.sum())
+    return ResultColumns(
+        strings, fqns, files, ndims, _array(c["o"], "chunk offsets", total),
+        _array(c["z"], "chunk sizes", total), _array(c["at"], "chunk offsets", count), nbytes,
+        _array(c["crc"], "checksums", count), _array(c["rank"], "chunk ranks", count),
+        _keyed_columns(doc["prints"], strings, "fingerprints"),
+        _keyed_columns(doc["replicas"], strings, "replicas"))
+
+
 def write_result_codec(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """The columnar ``to_wire`` / ``from_wire`` of the save's write results
     (``cls`` is :class:`dcp.orchestration.save.WriteResult`: ``chunks`` of
     ``(fqn, ChunkMeta)``, ``fingerprints`` and ``replicas`` keyed by
     ``(fqn, offsets)``, ``json_values``, ``pickled``).  Fqns and file names
-    go into one string table; a chunk is eight integers and its box."""
+    go into one string table; a chunk is eight integers and its box.
+
+    A decoded result keeps its columns (:class:`ResultColumns`, its
+    ``columns``; what :func:`result_columns` returns) and builds ``chunks``,
+    ``fingerprints`` and ``replicas`` as objects only when they are read:
+    the coordinator builds the metadata from the columns."""
+
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    def lazy(field: str, build: Callable[[ResultColumns], Any]) -> property:
+        slot = f"_{field}"
+
+        def get(self):
+            value = self.__dict__.get(slot)
+            if value is None:
+                value = self.__dict__[slot] = build(self.columns)
+            return value
+
+        def put(self, value):
+            self.__dict__[slot] = value
+
+        return property(get, put)
+
+    class Decoded(cls):  # type: ignore[valid-type, misc]
+        chunks = lazy("chunks", ResultColumns.chunks)
+        fingerprints = lazy("prints", lambda c: c.keyed("prints"))
+        replicas = lazy("replicas", lambda c: c.keyed("replicas"))
+
+        def __eq__(self, other):
+            if not isinstance(other, cls):
+                return NotImplemented
+            return all(getattr(self, n) == getattr(other, n) for n in names)
+
+        __hash__ = None  # type: ignore[assignment]
+
+        def __reduce__(self):
+            return cls, tuple(getattr(self, n) for n in names)
+
+    Decoded.__qualname__ = f"{cls.__qualname__}.Decoded"
+    _ALIASES[Decoded] = cls.__name__
 
     def to_wire(result: Any) -> dict:
-        strings = _Strings()
-        metas = [meta for _, meta in result.chunks]
-        ndims, offsets = _boxes([m.offsets for m in metas])
-        _, sizes = _boxes([m.sizes for m in metas])
-        chunks = {"f": strings.all([fqn for fqn, _ in result.chunks]),
-                  "file": strings.all([m.file for m in metas]), "k": ndims, "o": offsets,
-                  "z": sizes,
-                  "at": [m.byte_offset for m in metas], "n": [m.nbytes for m in metas],
-                  "crc": [-1 if m.checksum is None else m.checksum for m in metas],
-                  "rank": [m.rank for m in metas]}
-        return {"chunks": chunks, "prints": _keyed(strings, result.fingerprints),
-                "replicas": _keyed(strings, result.replicas), "s": strings.table,
-                "json": result.json_values,
-                "pickled": {k: base64.b64encode(v).decode("ascii")
-                            for k, v in result.pickled.items()}}
+        doc = _result_doc(result)
+        doc.update(json=result.json_values,
+                   pickled={k: base64.b64encode(v).decode("ascii")
+                            for k, v in result.pickled.items()})
+        return doc
 
     def from_wire(doc: Any) -> Any:
         if type(doc) is not dict:
             raise ValueError("WriteResult: columns expected")
         strings = _strs(doc["s"], "WriteResult strings")
-        c = doc["chunks"]
-        if type(c) is not dict:
-            raise ValueError("WriteResult chunks: columns expected")
-        count = len(_ints(c["n"], "chunk sizes"))
-        fqns = _index(c["f"], "chunk names", strings, count)
-        files = _index(c["file"], "chunk files", strings, count)
-        ndims = _ints(c["k"], "chunk ranks", count)
-        offsets = _unboxes(ndims, _ints(c["o"], "chunk offsets"), "chunk offsets")
-        sizes = _unboxes(ndims, _ints(c["z"], "chunk sizes"), "chunk sizes")
-        columns = zip(fqns, files, offsets, sizes, _ints(c["at"], "chunk offsets", count),
-                      c["n"], _ints(c["crc"], "checksums", count),
-                      _ints(c["rank"], "chunk ranks", count), strict=True)
-        chunks = [(strings[f], ChunkMeta(o, z, strings[file], at, n, None if crc < 0 else crc, r))
-                  for f, file, o, z, at, n, crc, r in columns]
+        columns = _result_columns(doc, strings)
         json_values, pickled = doc["json"], doc["pickled"]
         if (type(json_values) is not dict or type(pickled) is not dict
                 or not set(map(type, json_values.values())) <= {str}
                 or not set(map(type, pickled.values())) <= {str}):
             raise ValueError("WriteResult values: maps of strings expected")
-        return cls(chunks=chunks, fingerprints=_unkeyed(doc["prints"], strings, "fingerprints"),
-                   replicas=_unkeyed(doc["replicas"], strings, "replicas"),
-                   json_values=json_values,
-                   pickled={k: base64.b64decode(v, validate=True) for k, v in pickled.items()})
+        result = Decoded(chunks=None, fingerprints=None, replicas=None, json_values=json_values,
+                         pickled={k: base64.b64decode(v, validate=True)
+                                  for k, v in pickled.items()})
+        result.columns = columns
+        return result
 
     return to_wire, from_wire
 
@@ -326,7 +434,25 @@ def _metadata_from_wire(data: Any) -> Metadata:
     return decode_metadata(data, "exchange payload")
 
 
-register(Metadata, encode_metadata, _metadata_from_wire)
+#: The metadata last committed and its bytes: the answer that carries it to
+#: every rank reuses them (:func:`remember_metadata`) instead of encoding it again.
+_COMMITTED: list[tuple[Metadata, bytes]] = []
+
+
+def remember_metadata(md: Metadata, data: bytes) -> None:
+    """``data`` is ``md`` encoded (and ``md`` does not change any more):
+    an answer carrying ``md`` reuses these bytes."""
+    _COMMITTED[:] = [(md, data)]
+
+
+def _metadata_to_wire(md: Metadata) -> bytes:
+    for known, data in _COMMITTED:
+        if known is md:
+            return data
+    return encode_metadata(md)
+
+
+register(Metadata, _metadata_to_wire, _metadata_from_wire)
 
 
 def _pack(value: Any) -> Any:
@@ -340,9 +466,9 @@ def _pack(value: Any) -> Any:
         return {"d": [[_pack(k), _pack(v)] for k, v in value.items()]}
     if isinstance(value, bytes):
         return {"b": base64.b64encode(value).decode("ascii")}
-    name = "SavePlan" if type(value) is ColumnarSavePlan else type(value).__name__
+    name = _ALIASES.get(type(value)) or type(value).__name__
     codec = _CODECS.get(name)
-    if codec is None or not (codec[0] is type(value) or type(value) is ColumnarSavePlan):
+    if codec is None or not (codec[0] is type(value) or type(value) in _ALIASES):
         raise TypeError(f"cannot encode a {name} in an exchange payload")
     if codec[3]:
         return {"c": name, "j": codec[1](value)}

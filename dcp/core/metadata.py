@@ -295,6 +295,7 @@ def encode(md: Metadata) -> bytes:
     tensors, start = {}, 0
     columns: dict[str, list[np.ndarray]] = {c: [] for c in _COLUMNS}
     pending: dict[str, list[int]] = {c: [] for c in _COLUMNS}  # chunk-list tensors' values
+    remaps: dict[int, np.ndarray] = {}  # files list of a table (by id) -> first-seen indices
 
     def flush() -> None:
         for name in _COLUMNS:
@@ -317,8 +318,11 @@ def encode(md: Metadata) -> bytes:
         else:
             flush()
             table = store
-            remap = np.array([index.setdefault(f, len(index)) for f in table.files] or [0],
-                             dtype=np.int64)
+            remap = remaps.get(id(table.files))
+            if remap is None:  # tables of one save share their files list: mapped once
+                remap = remaps[id(table.files)] = np.array(
+                    [index.setdefault(f, len(index)) for f in table.files] or [0],
+                    dtype=np.int64)
             for name in _COLUMNS:
                 column = getattr(table, name)
                 columns[name].append((remap[column] if name == "file" else column).reshape(-1))

@@ -37,17 +37,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
+
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
 from dcp.core import stateful, tensors
 from dcp.core.metadata import (
+    DTYPE_ITEMSIZE,
     METADATA_FILE,
     BlobRef,
     ChunkMeta,
     Metadata,
     ObjectMeta,
     TensorMeta,
+    _ChunkTable,
     checksum,
     decode,
     encode,
@@ -123,6 +127,157 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     whole chunk among its replicas) is checked by comparing every holder's
     fingerprint of its whole replica with the others'.
     """
+    md = _metadata_from_columns(save_id, world_size, decls, results)
+    if md is not None:
+        return md
+    return _metadata_from_objects(save_id, world_size, decls, results)
+
+
+def _pad(ndim: np.ndarray, flat: np.ndarray, fill: int) -> np.ndarray:
+    """Boxes of ``ndim`` values each, flat, as rows padded with ``fill``."""
+    n = len(ndim)
+    width = max(1, int(ndim.max()) if n else 1)
+    out = np.full((n, width), fill, dtype=np.int64)
+    starts = np.cumsum(ndim) - ndim
+    out[np.repeat(np.arange(n), ndim), np.arange(len(flat)) - np.repeat(starts, ndim)] = flat
+    return out
+
+
+def _metadata_from_columns(save_id: str, world_size: int, decls: dict[str, TensorDecl],
+                           results: list[WriteResult]) -> Metadata | None:
+    """:func:`build_metadata` over the results' columns (no object per
+    chunk: each tensor's chunks become a columnar table), or ``None`` where
+    :func:`_metadata_from_objects` must decide: a replica that differs (it
+    names it), and rare inputs (a chunk of an undeclared tensor, a chunk
+    reported twice, a byte count that is not the box's)."""
+    cols = [wire.result_columns(r) for r in results]
+    ids: dict[str, int] = {}
+    maps = [np.array([ids.setdefault(s, len(ids)) for s in c.strings] or [0], dtype=np.int64)
+            for c in cols]
+
+    def cat(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+    fqn = cat([m[c.fqn] for m, c in zip(maps, cols, strict=True)])
+    file = cat([m[c.file] for m, c in zip(maps, cols, strict=True)])
+    ndim, at, nbytes, crc, rank = (cat([getattr(c, a) for c in cols])
+                                   for a in ("ndim", "at", "nbytes", "crc", "rank"))
+    offsets = _pad(ndim, cat([c.offsets for c in cols]), -1)
+    sizes = _pad(ndim, cat([c.sizes for c in cols]), 1)
+    names = list(decls)
+    tensor_of = np.full(max(1, len(ids)), -1, dtype=np.int64)
+    for t, name in enumerate(names):
+        if name in ids:
+            tensor_of[ids[name]] = t
+    tensor = tensor_of[fqn]
+    if any(d.dtype not in DTYPE_ITEMSIZE for d in decls.values()):
+        return None
+    dims = np.array([len(d.shape) for d in decls.values()] or [0], dtype=np.int64)
+    itemsize = np.array([DTYPE_ITEMSIZE[d.dtype] for d in decls.values()] or [0], dtype=np.int64)
+    n = len(fqn)
+    if n and ((tensor < 0).any() or (ndim != dims[tensor]).any()
+              or (nbytes != sizes.prod(axis=1) * itemsize[tensor]).any()):
+        return None
+    if not _replicas_agree(cols, maps, fqn, ndim, offsets, crc, rank, len(results)):
+        return None
+    # each tensor's chunks by offsets, in rank order where equal (a stable sort)
+    order = np.lexsort([np.arange(n), *(offsets[:, d] for d in reversed(range(offsets.shape[1]))),
+                        tensor])
+    used = set(np.unique(file).tolist())
+    names_of_files = sorted(s for s, i in ids.items() if i in used)
+    file_index = np.zeros(max(1, len(ids)), dtype=np.int64)
+    for k, name in enumerate(names_of_files):
+        file_index[ids[name]] = k
+    counts = np.bincount(tensor, minlength=len(names)).tolist() if n else [0] * len(names)
+    md = Metadata(save_id=save_id, world_size=world_size)
+    start = 0
+    for name, decl, count in zip(names, decls.values(), counts, strict=True):
+        rows = order[start:start + count]
+        start += count
+        k = len(decl.shape)
+        table = _ChunkTable(np.ascontiguousarray(offsets[rows, :k]),
+                            np.ascontiguousarray(sizes[rows, :k]), file_index[file[rows]],
+                            at[rows], crc[rows], rank[rows], names_of_files)
+        md.tensors[name] = TensorMeta._from_table(decl.shape, decl.dtype, table)
+    return md
+
+
+def _group_rows(keys: np.ndarray) -> np.ndarray:
+    """The group of each row of ``keys`` (equal rows, one group)."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    new = np.ones(len(keys), dtype=bool)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    group = np.empty(len(keys), dtype=np.int64)
+    group[order] = np.cumsum(new) - 1
+    return group
+
+
+def _replicas_agree(cols: list, maps: list[np.ndarray], fqn: np.ndarray, ndim: np.ndarray,
+                    offsets: np.ndarray, crc: np.ndarray, rank: np.ndarray, world: int) -> bool:
+    """Whether every replica's fingerprint is its chunk's, as
+    :func:`_metadata_from_objects` checks it (``False`` also where it must
+    decide: a replica of no written chunk, a chunk or fingerprint reported
+    twice)."""
+    def keyed(which: str) -> tuple[np.ndarray, ...]:
+        parts = [getattr(c, which) for c in cols]
+        f = np.concatenate([m[p[0]] for m, p in zip(maps, parts, strict=True)]
+                           or [np.zeros(0, np.int64)])
+        k = np.concatenate([p[1] for p in parts] or [np.zeros(0, np.int64)])
+        flat = np.concatenate([p[2] for p in parts] or [np.zeros(0, np.int64)])
+        v = np.concatenate([p[3] for p in parts] or [np.zeros(0, np.int64)])
+        holder = np.repeat(np.arange(len(parts)), [len(p[3]) for p in parts])
+        return f, k, _pad(k, flat, -1), v, holder
+
+    rf, rk, ro, rv, holder = keyed("replicas")
+    if not len(rv):
+        return True
+    pf, pk, po, pv, _ = keyed("prints")
+    width = max(offsets.shape[1], ro.shape[1], po.shape[1])
+
+    def widen(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1)
+
+    keys = np.concatenate([np.column_stack([f, k, widen(o)]) for f, k, o in
+                           ((fqn, ndim, offsets), (pf, pk, po), (rf, rk, ro))])
+    group = _group_rows(keys)
+    n, p = len(fqn), len(pv)
+    gw, gp, gr = group[:n], group[n:n + p], group[n + p:]
+    size = int(group.max()) + 1
+    if len(np.unique(gw)) != n or len(np.unique(gp)) != p:
+        return False
+    written = np.full(size, -1, dtype=np.int64)
+    written[gw] = np.arange(n)
+    w = written[gr]
+    if (w < 0).any():
+        return False
+    writer = rank[w]
+    if (writer < 0).any() or (writer >= world).any():
+        return False
+    pieces_of = np.zeros(size, dtype=bool)
+    pieces_of[gr[holder == writer]] = True  # the writer reports the whole chunk: pieces
+    pieces = pieces_of[gr]
+    if pieces.any():
+        low = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+        high = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(low, gr[pieces], rv[pieces])
+        np.maximum.at(high, gr[pieces], rv[pieces])
+        if (low[gr[pieces]] != high[gr[pieces]]).any():
+            return False
+    whole = ~pieces
+    printed = np.zeros(size, dtype=bool)
+    printed[gp] = True
+    value_of = np.zeros(size, dtype=np.int64)
+    value_of[gp] = pv
+    g = gr[whole]
+    expected = np.where(printed[g], value_of[g], crc[w[whole]])
+    no_value = ~printed[g] & (crc[w[whole]] < 0)  # no checksum: never equal
+    return not ((rv[whole] != expected) | no_value).any()
+
+
+def _metadata_from_objects(save_id: str, world_size: int, decls: dict[str, TensorDecl],
+                           results: list[WriteResult]) -> Metadata:
+    """:func:`build_metadata` chunk by chunk (and the errors it raises)."""
     md = Metadata(save_id=save_id, world_size=world_size)
     for fqn, decl in decls.items():
         md.tensors[fqn] = TensorMeta(decl.shape, decl.dtype)
@@ -155,8 +310,10 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
 def commit_metadata(storage: StoragePlugin, name: str, md: Metadata, overwrite: bool) -> None:
     """Publish ``md`` as ``name`` atomically, last; raises
     :class:`CheckpointError` if another save committed there first."""
+    data = encode(md)
+    wire.remember_metadata(md, data)  # the answer to every rank carries these bytes
     try:
-        storage.commit_file(name, encode(md), overwrite=overwrite)
+        storage.commit_file(name, data, overwrite=overwrite)
     except FileExistsError as e:
         raise CheckpointError(
             f"{storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
