@@ -278,7 +278,7 @@ _MEMORY_PROBE = textwrap.dedent("""
         extra(lambda: safetensors_to_checkpoint(src, ckpt, buffer_bytes=8 << 20,
                                                 storage_options=no_fsync)),
         extra(lambda: checkpoint_to_safetensors(ckpt, out, max_shard_size="64MiB",
-                                                dest_options=no_fsync)),
+                                                buffer_bytes=8 << 20, dest_options=no_fsync)),
     ]))
 """)
 

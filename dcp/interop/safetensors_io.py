@@ -35,9 +35,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
-
-from tqdm import tqdm
 
 from dcp.core import tensors
 from dcp.core.metadata import (
@@ -52,14 +49,14 @@ from dcp.core.metadata import (
 from dcp.core.planner import LoadPlanner
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.interop.streaming import (
-    DEFAULT_BUFFER_BYTES,
-    CheckpointWriter,
-    ExportResult,
-    progress_bar,
-    read_tensor,
-    renamed,
+from dcp.interop.parallel import (
+    DEFAULT_BUDGET_BYTES,
+    OutputFile,
+    Ranks,
+    export_files,
+    import_checkpoint,
 )
+from dcp.interop.streaming import ExportResult, progress_bar, renamed
 from dcp.orchestration.load import LoadReport, load, read_metadata
 
 #: safetensors dtype name -> checkpoint (torch) dtype name.
@@ -317,14 +314,18 @@ def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | 
 
 def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
                               rename: dict[str, str] | None = None, overwrite: bool = False,
-                              buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                              buffer_bytes: int = DEFAULT_BUDGET_BYTES,
                               source_options: dict | None = None,
                               storage_options: dict | None = None,
-                              progress: bool = False) -> Metadata:
+                              progress: bool = False, process_group=None) -> Metadata:
     """Convert a safetensors folder or file into a checkpoint, streaming.
 
     Every tensor becomes one chunk with its checksum; bytes are copied
-    unchanged.  Memory: one tensor plus the writer's ``buffer_bytes``.
+    unchanged, read straight into the buffer that is written, several data
+    files at once (:func:`dcp.interop.parallel.import_checkpoint`).  With a
+    ``process_group`` (``torch.distributed.group.WORLD`` for the whole job)
+    each rank of it converts a share of the files and rank 0 commits once; the
+    checkpoint's bytes are the same as from one process.
 
     Args:
         source: folder (single or sharded with its index) or
@@ -334,25 +335,25 @@ def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
             its plugin.
         rename: safetensors name -> fqn.
         overwrite: replace a committed checkpoint at ``checkpoint_id``.
-        buffer_bytes: bytes of tensor data per data file (about).
+        buffer_bytes: memory budget per process (bytes in flight; at least
+            the largest tensor is let through).
         progress: show a progress bar (tqdm, bytes) on stderr.
+        process_group: share the conversion over this group's ranks
+            (collective); ``None``: this process alone.
 
     Returns:
-        The committed :class:`dcp.Metadata`.
+        The committed :class:`dcp.Metadata` (on every rank).
 
     Raises:
-        CheckpointError: as :class:`SafetensorsFolder` and
-            :class:`dcp.interop.streaming.CheckpointWriter`; nothing is committed.
+        CheckpointError: as :class:`SafetensorsFolder`, or a failed read or
+            write naming the tensor and file; nothing is committed.
     """
     view = SafetensorsFolder(source, rename=rename, **(source_options or {}))
     md = view.metadata
-    with CheckpointWriter(checkpoint_id, overwrite=overwrite, buffer_bytes=buffer_bytes,
-                          storage_options=storage_options) as writer, \
-            progress_bar(md.stored_bytes, "import", progress) as bar:
-        for fqn, meta in md.tensors.items():
-            writer.add_tensor(fqn, read_tensor(view, fqn, meta))  # no reference kept past this
-            bar.update(meta.nbytes)
-        return writer.commit()
+    dest = open_storage(str(checkpoint_id), **(storage_options or {}))
+    with progress_bar(md.stored_bytes, "import", progress) as bar:
+        return import_checkpoint(view, md, dest, overwrite=overwrite, buffer_bytes=buffer_bytes,
+                                 process_group=process_group, on_bytes=bar.update)
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...], int, int]],
@@ -371,66 +372,65 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int, int]],
     return len(text).to_bytes(8, "little") + text
 
 
-class _ShardBuffers(Sequence):
-    """The buffers of one ``.safetensors`` file, made on demand: the header,
-    then each tensor, read from the checkpoint only when the storage plugin
-    asks for it.  A plugin that writes the buffers in turn (as
-    :meth:`~dcp.core.storage.StoragePlugin.write_file` describes) thus holds one
-    tensor at a time; one that asks twice reads twice."""
-
-    def __init__(self, header: bytes, entries: list[tuple[str, TensorMeta]],
-                 storage: StoragePlugin, bar: tqdm) -> None:
-        self.header = header
-        self.entries = entries
-        self.storage = storage
-        self.bar = bar
-
-    def __len__(self) -> int:
-        return 1 + len(self.entries)
-
-    def __getitem__(self, i: int):  # type: ignore[override]  # no slices: read by index only
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
-        if i == 0:
-            return self.header
-        fqn, meta = self.entries[i - 1]
-        tensor = read_tensor(self.storage, fqn, meta)
-        self.bar.update(meta.nbytes)
-        return tensors.byte_view(tensor)
-
-
-def _shards(md: Metadata, limit: int) -> list[list[str]]:
+def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     """Greedy split in checkpoint order (as ``transformers`` does): a new
     shard starts when the next tensor would take the current one past
     ``limit``; a larger tensor gets a shard of its own."""
     shards: list[list[str]] = [[]]
     size = 0
-    for fqn, meta in md.tensors.items():
-        if shards[-1] and size + meta.nbytes > limit:
+    for fqn, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append(fqn)
-        size += meta.nbytes
+        size += nbytes
     return shards
+
+
+def _is_float(dtype: str) -> bool:
+    return tensors.torch_dtype(dtype).is_floating_point
+
+
+def _export_selection(md: Metadata, prefix: str | None, dtype: str | None, where: str
+                      ) -> tuple[dict[str, str], dict[str, str | None]]:
+    """The fqns exported, each with its name after stripping ``prefix``,
+    and the dtype each is cast to (floating-point tensors only)."""
+    if dtype is not None and (dtype not in DTYPE_ITEMSIZE or not _is_float(dtype)):
+        raise CheckpointError(f"export dtype {dtype!r} is not a floating-point dtype name "
+                              f"(such as 'bfloat16', 'float16', 'float32')")
+    selected = {f: f for f in md.tensors}
+    if prefix:
+        selected = {f: f[len(prefix):] for f in md.tensors if f.startswith(prefix)}
+        if not selected:
+            raise CheckpointError(f"{where} has no tensor whose fqn starts with {prefix!r}; its "
+                                  f"first ones: {', '.join(map(repr, list(md.tensors)[:5]))}")
+    casts = {f: (dtype if dtype is not None and _is_float(md.tensors[f].dtype) else None)
+             for f in selected}
+    return selected, casts
 
 
 def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
                               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                               rename: dict[str, str] | None = None,
                               metadata: dict[str, str] | None = None, overwrite: bool = False,
+                              dtype: str | None = None, model_only: bool = False,
+                              prefix: str | None = None,
+                              buffer_bytes: int = DEFAULT_BUDGET_BYTES,
                               storage_options: dict | None = None,
                               dest_options: dict | None = None,
-                              progress: bool = False) -> ExportResult:
+                              progress: bool = False, process_group=None) -> ExportResult:
     """Export a checkpoint's tensors as a Hugging Face safetensors folder,
     streaming.
 
-    Each tensor is consolidated from its chunks (checksums verified) when
-    its turn to be written comes, so memory holds about one tensor.  One
-    shard is written as ``model.safetensors``; more as
-    ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``
-    (written last).  Within a shard tensors are ordered by descending item
-    size, so each starts aligned to it.
+    Each tensor is consolidated from its chunks (checksums verified) by
+    reader threads ahead of the writer, several output files at once, with
+    the bytes in flight within ``buffer_bytes``
+    (:func:`dcp.interop.parallel.export_files`).  One shard is written as
+    ``model.safetensors``; more as ``model-00001-of-0000N.safetensors``
+    with ``model.safetensors.index.json`` (written last).  Within a shard
+    tensors are ordered by descending item size, so each starts aligned to
+    it.  With a ``process_group`` each rank of it writes a share of the shards
+    and rank 0 the index (collective).
 
     Args:
         checkpoint_id: the checkpoint, path or URI; ``storage_options`` go
@@ -439,12 +439,21 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
             plugin.
         max_shard_size: bytes of tensor data per file, an int or a string
             like ``"5GB"`` / ``"500MiB"`` (see :func:`parse_size`).
-        rename: fqn -> safetensors name.
+        rename: fqn -> safetensors name (names after ``prefix`` stripping).
         metadata: extra ``__metadata__`` entries (str -> str) besides
             ``{"format": "pt"}``.
         overwrite: allow a destination that already holds safetensors files;
             those the export does not rewrite are deleted after it.
+        dtype: cast floating-point tensors to this dtype (``"bfloat16"``,
+            ``"float16"``, ...); integer and bool tensors are kept.
+        model_only: export only the tensors under ``model.`` (the prefix
+            stripped), as ``prefix="model."``.
+        prefix: export only the tensors whose fqn starts with it, named
+            without it.
+        buffer_bytes: memory budget per process.
         progress: show a progress bar (tqdm, bytes) on stderr.
+        process_group: share the export over this group's ranks
+            (collective); ``None``: this process alone.
 
     Returns:
         An :class:`~dcp.interop.streaming.ExportResult`; ``skipped`` lists the
@@ -453,8 +462,8 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     Raises:
         NotACheckpointError / CorruptCheckpointError: as :func:`dcp.load`.
         CheckpointError: destination not empty without ``overwrite``, bad
-            size, rename map or metadata, or a failed write (the files
-            written are removed).
+            size, dtype, prefix, rename map or metadata, or a failed write
+            (the files written are removed).
     """
     limit = parse_size(max_shard_size)
     header_meta = {"format": "pt", **(metadata or {})}
@@ -462,46 +471,54 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
         raise CheckpointError(f"safetensors metadata must map str to str, got {metadata!r}")
     storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     md = read_metadata(str(checkpoint_id), storage=storage)
-    names = renamed(md.tensors, rename, repr(str(checkpoint_id)))
+    where = repr(str(checkpoint_id))
+    stripped, casts = _export_selection(md, "model." if model_only and not prefix else prefix,
+                                        dtype, where)
+    final = renamed(stripped.values(), rename, where)
+    names = {f: final[s] for f, s in stripped.items()}
+    out_dtype = {f: casts[f] or md.tensors[f].dtype for f in stripped}
+    sizes = {f: math.prod(md.tensors[f].shape) * DTYPE_ITEMSIZE[out_dtype[f]] for f in stripped}
     dest = open_storage(str(folder), **(dest_options or {}))
-    old = [n for n in dest.list_files() if "/" not in n and (n.endswith(SUFFIX) or n == INDEX_FILE)]
+    ranks = Ranks.of(process_group)
+    old = ranks.broadcast(  # rank 0 looks, before any rank writes
+        [n for n in dest.list_files() if "/" not in n and (n.endswith(SUFFIX) or n == INDEX_FILE)]
+        if ranks.rank == 0 else None)
     if old and not overwrite:
         raise CheckpointError(
             f"{str(folder)!r} already holds {', '.join(old)}; pass overwrite=True to replace them")
-    shards = _shards(md, limit)
+    shards = _shards(sizes, limit)
     count = len(shards)
-    files = [SINGLE_FILE] if count == 1 else [
+    file_names = [SINGLE_FILE] if count == 1 else [
         f"model-{k + 1:05d}-of-{count:05d}{SUFFIX}" for k in range(count)]
     result = ExportResult(skipped=list(md.objects))
     weight_map: dict[str, str] = {}
-    done = False
-    with progress_bar(md.unique_bytes, "export", progress) as bar:
-        try:
-            for file, shard in zip(files, shards, strict=True):
-                shard.sort(key=lambda f: -DTYPE_ITEMSIZE[md.tensors[f].dtype])
-                entries, offset = [], 0
-                for fqn in shard:
-                    meta = md.tensors[fqn]
-                    entries.append((names[fqn], meta.dtype, meta.shape, offset,
-                                    offset + meta.nbytes))
-                    offset += meta.nbytes
-                    weight_map[names[fqn]] = file
-                result.files.append(file)
-                buffers = _ShardBuffers(encode_header(entries, header_meta),
-                                        [(f, md.tensors[f]) for f in shard], storage, bar)
-                _write(dest, file, buffers)
-                result.tensors += len(shard)
-                result.nbytes += offset
-            if count > 1:
-                index = {"metadata": {"total_size": result.nbytes},
-                         "weight_map": dict(sorted(weight_map.items()))}
-                result.files.append(INDEX_FILE)
-                _write(dest, INDEX_FILE, [json.dumps(index, indent=2).encode()])
-            done = True
-        finally:
-            if not done:
-                dest.delete(result.files)
-    if overwrite:
+    outputs = []
+    for file, shard in zip(file_names, shards, strict=True):
+        shard.sort(key=lambda f: -DTYPE_ITEMSIZE[out_dtype[f]])
+        entries, offset = [], 0
+        for fqn in shard:
+            entries.append((names[fqn], out_dtype[fqn], md.tensors[fqn].shape, offset,
+                            offset + sizes[fqn]))
+            offset += sizes[fqn]
+            weight_map[names[fqn]] = file
+        outputs.append(OutputFile(file, encode_header(entries, header_meta),
+                                  [(f, md.tensors[f], casts[f]) for f in shard]))
+        result.tensors += len(shard)
+        result.nbytes += offset
+
+    def write_index() -> list[str]:
+        if count == 1:
+            return []
+        index = {"metadata": {"total_size": result.nbytes},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        _write(dest, INDEX_FILE, [json.dumps(index, indent=2).encode()])
+        return [INDEX_FILE]
+
+    with progress_bar(result.nbytes, "export", progress) as bar:
+        result.files = export_files(storage, outputs, dest, buffer_bytes=buffer_bytes,
+                                    process_group=process_group, finish=write_index,
+                                    on_bytes=bar.update)
+    if overwrite and ranks.rank == 0:
         dest.delete(set(old) - set(result.files))
     return result
 

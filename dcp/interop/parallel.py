@@ -1,0 +1,502 @@
+"""Conversions at disk speed: concurrent, aligned, budgeted copies between
+formats, on one rank or shared over a job's ranks.
+
+A conversion is a copy whose bytes are known in advance — where each tensor
+lies in the source, where it goes in the destination — so it is planned
+whole before a byte moves, then run as independent *file tasks*:
+
+* **import** (:func:`import_checkpoint`, any source presented as a
+  :class:`~dcp.core.storage.StoragePlugin` with its metadata, such as a
+  safetensors folder): the tensors are packed in source order into data
+  files of about ``buffer_bytes / FILES_IN_FLIGHT``, each tensor of at
+  least :data:`~dcp.core.storage.ALIGNED_CHUNK_BYTES` starting at the
+  destination's alignment.  A task allocates one aligned buffer for its
+  file, reads every tensor straight into its place with
+  :meth:`~dcp.core.storage.StoragePlugin.read_requests` (adjacent source
+  bytes as one scatter request), computes each tensor's CRC-32C on the
+  just-read bytes, and hands the same buffer to ``write_file`` (one large
+  aligned write: ``O_DIRECT`` on POSIX).  Nothing is copied twice.
+* **export** (:func:`export_files`): each output file is written by one
+  task whose buffers are produced on demand; the task's reader threads
+  fetch and consolidate the next tensors ahead of the writer (read and
+  write overlap) within the task's share of the budget.
+
+Tasks run on a thread pool (the destination's ``thread_count``), under a
+:class:`ByteBudget` of ``buffer_bytes`` — peak memory stays within the
+budget, or about the largest tensor where one is larger.  The plan is the
+same whatever the number of ranks: with a process group, file ``k`` goes to
+rank ``k % world_size``; every rank reports what it wrote, rank 0 commits
+once, and the outcome is broadcast, so 2 ranks write the same bytes as 1 and
+a failure on any rank leaves nothing committed (each rank deletes its files).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from dcp.core import tensors
+from dcp.core.boxes import byte_runs
+from dcp.core.metadata import (
+    DTYPE_ITEMSIZE,
+    METADATA_FILE,
+    ChunkMeta,
+    Metadata,
+    TensorMeta,
+    checksum,
+)
+from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
+from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.orchestration.save import DATA_SUFFIX, commit_metadata, delete_stale
+
+#: Default memory budget of a conversion, per process (bytes).
+DEFAULT_BUDGET_BYTES = 512 << 20
+#: An import packs data files of ``buffer_bytes / FILES_IN_FLIGHT``, so that
+#: this many are read, checksummed and written at once.
+FILES_IN_FLIGHT = 4
+
+
+class ByteBudget:
+    """A counting semaphore of bytes.  :meth:`acquire` waits until ``n``
+    bytes fit; a request larger than the whole budget is granted once
+    nothing else is held (so one tensor larger than the budget passes
+    alone, and nothing waits forever)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, int(capacity))
+        self.held = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.capacity)
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.held -= n
+            self._cv.notify_all()
+
+
+def aligned_bytes(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` starting at a page boundary (for
+    ``O_DIRECT`` writes): an anonymous mapping, returned to the system as
+    soon as the last view of it goes (heap memory freed by a worker thread
+    would stay in that thread's arena)."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+# ---- ranks -----------------------------------------------------------------
+
+@dataclass
+class Ranks:
+    """This process's place among the converting ranks: alone unless a
+    process group is passed (a conversion is not collective by default, so
+    rank 0 of a job may convert by itself; pass ``dist.group.WORLD`` to
+    share it over the job)."""
+
+    group: object = None
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def of(cls, process_group) -> Ranks:
+        if process_group is None or not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+
+    def mine(self, k: int) -> bool:
+        return k % self.world_size == self.rank
+
+    def gather(self, value) -> list:
+        """Every rank's ``value``, on every rank."""
+        if self.world_size == 1:
+            return [value]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)  # type: ignore[arg-type]
+        return out
+
+    def broadcast(self, value):
+        """Rank 0's ``value``, on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.root(), group=self.group)  # type: ignore[arg-type]
+        return box[0]
+
+    def root(self) -> int:
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)  # type: ignore[arg-type]
+
+
+def run_collectively(ranks: Ranks, work: Callable[[], object],
+                     finish: Callable[[list], object], cleanup: Callable[[], None]):
+    """Run ``work`` on every rank, then ``finish`` (on rank 0) with every
+    rank's result; returns ``finish``'s result on every rank.  If ``work``
+    fails on any rank, or ``finish`` does, every rank calls ``cleanup`` and
+    raises a :class:`CheckpointError` naming the failing rank and its error
+    (the rank's own exception where it failed itself)."""
+    error: BaseException | None = None
+    try:
+        result = work()
+    except BaseException as e:  # noqa: BLE001  # reported to every rank, then re-raised
+        error, result = e, None
+    outcomes = ranks.gather((None if error is None else _describe(error), result))
+    failed = [(r, why) for r, (why, _) in enumerate(outcomes) if why is not None]
+    final = None
+    if not failed and ranks.rank == 0:
+        try:
+            final = ("ok", finish([res for _, res in outcomes]))
+        except BaseException as e:  # noqa: BLE001
+            error, final = e, ("error", _describe(e))
+    final = ranks.broadcast(final)
+    if not failed and final[0] == "ok":
+        return final[1]
+    cleanup()
+    if error is not None:
+        raise error
+    r, why = failed[0] if failed else (0, final[1])
+    raise CheckpointError(f"the conversion failed on rank {r}: {why}")
+
+
+def _describe(error: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+# ---- import: tensors of any source into a checkpoint -----------------------
+
+@dataclass
+class _Piece:
+    fqn: str
+    meta: TensorMeta
+    position: int  # byte offset in the destination file
+
+
+@dataclass
+class _FileTask:
+    index: int
+    pieces: list[_Piece] = field(default_factory=list)
+    size: int = 0
+
+
+def _pack(md: Metadata, file_bytes: int, alignment: int) -> list[_FileTask]:
+    """Tensors in ``md``'s order packed into files of about ``file_bytes``
+    (a larger tensor gets a file of its own); large tensors start at
+    ``alignment``."""
+    tasks: list[_FileTask] = []
+    current: _FileTask | None = None
+    for fqn, meta in md.tensors.items():
+        nbytes = meta.nbytes
+        if nbytes == 0:
+            continue
+        if current is None or (current.pieces and current.size + nbytes > file_bytes):
+            current = _FileTask(len(tasks))
+            tasks.append(current)
+        if nbytes >= ALIGNED_CHUNK_BYTES and alignment > 1:
+            current.size += -current.size % alignment
+        current.pieces.append(_Piece(fqn, meta, current.size))
+        current.size += nbytes
+    return tasks
+
+
+def _read_into(storage: StoragePlugin, fqn: str, meta: TensorMeta, out: memoryview,
+               requests: dict[str, list[tuple[int, list[memoryview]]]]) -> None:
+    """Add to ``requests`` (file -> scatter requests) the reads that put the
+    whole tensor ``fqn`` into ``out``, its row-major bytes."""
+    meta.check_coverage(fqn, storage.checkpoint_id)
+    itemsize = DTYPE_ITEMSIZE[meta.dtype]
+    for chunk in meta.chunks:
+        pos = 0
+        for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
+            source = chunk.byte_offset + pos
+            pos += length
+            reqs = requests.setdefault(chunk.file, [])
+            view = out[start:start + length]
+            if reqs and reqs[-1][0] + sum(len(v) for v in reqs[-1][1]) == source:
+                reqs[-1][1].append(view)  # adjacent in the source: one scatter request
+            else:
+                reqs.append((source, [view]))
+
+
+def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
+    """Read the last byte of each chunk of ``fqn``, so that a short file (or
+    a crafted size) raises before its tensor's memory is allocated.  Raises
+    :class:`CorruptCheckpointError` naming the tensor, chunk and file."""
+    meta.check_coverage(fqn, storage.checkpoint_id)
+    for chunk in meta.chunks:
+        if chunk.nbytes:
+            try:
+                storage.read_ranges(chunk.file, chunk.last_byte())
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                    f"{chunk.file!r} failed: {e}") from e
+
+
+def _read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, memoryview]]
+                  ) -> None:
+    """Read each ``(fqn, meta, out)`` whole into ``out``; the source's chunk
+    checksums are verified where it records them.  Raises
+    :class:`CorruptCheckpointError` naming the tensor and file."""
+    requests: dict[str, list[tuple[int, list[memoryview]]]] = {}
+    owners: dict[str, list[str]] = {}
+    for fqn, meta, out in items:
+        _read_into(storage, fqn, meta, out, requests)
+        for chunk in meta.chunks:
+            owners.setdefault(chunk.file, []).append(fqn)
+    for file, reqs in requests.items():
+        try:
+            storage.read_requests(file, reqs)
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"reading {', '.join(map(repr, dict.fromkeys(owners[file])))} from file "
+                f"{file!r} of {storage.checkpoint_id!r} failed: {e}") from e
+    for fqn, meta, out in items:
+        if all(c.checksum is None for c in meta.chunks):
+            continue
+        itemsize = DTYPE_ITEMSIZE[meta.dtype]
+        for chunk in meta.chunks:
+            if chunk.checksum is None:
+                continue
+            crc = 0
+            for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
+                crc = checksum(out[start:start + length], crc)
+            if crc != chunk.checksum:
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} of "
+                    f"file {chunk.file!r}: the checkpoint is corrupted")
+
+
+def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, *,
+                      overwrite: bool = False, buffer_bytes: int = DEFAULT_BUDGET_BYTES,
+                      process_group=None, on_bytes: Callable[[int], None] | None = None
+                      ) -> Metadata:
+    """Copy every tensor of ``md`` (read from ``source``) into a new
+    checkpoint in ``dest``, each as one chunk with its CRC-32C; collective
+    over ``process_group`` when one is initialized (each rank writes the
+    files ``k % world_size == rank``, rank 0 commits).  Returns the
+    committed :class:`~dcp.Metadata` on every rank.
+
+    Raises:
+        CheckpointError: a committed checkpoint at ``dest`` without
+            ``overwrite``; a failed read or write on any rank, naming the
+            tensor and file (nothing is committed, the files are deleted).
+    """
+    ranks = Ranks.of(process_group)
+    if not overwrite and ranks.broadcast(dest.exists(METADATA_FILE) if ranks.rank == 0 else None):
+        raise CheckpointError(f"{dest.checkpoint_id!r} already holds a committed checkpoint; "
+                              f"pass overwrite=True to replace it")
+    import uuid
+
+    save_id = ranks.broadcast(uuid.uuid4().hex[:16])
+    tasks = _pack(md, max(1, buffer_bytes // FILES_IN_FLIGHT), dest.alignment)
+    mine = [t for t in tasks if ranks.mine(t.index)]
+    budget = ByteBudget(buffer_bytes)
+    written: list[str] = []
+    lock = threading.Lock()
+
+    def name_of(task: _FileTask) -> str:
+        return f"convert-{task.index:05d}.{save_id}{DATA_SUFFIX}"
+
+    def run_task(task: _FileTask) -> list[tuple[str, ChunkMeta]]:
+        for p in task.pieces:
+            check_readable(source, p.fqn, p.meta)
+        budget.acquire(task.size)
+        try:
+            buf = aligned_bytes(task.size)
+            items = [(p.fqn, p.meta, buf[p.position:p.position + p.meta.nbytes])
+                     for p in task.pieces]
+            _read_tensors(source, items)
+            crcs = [checksum(out) for _, _, out in items]
+            name = name_of(task)
+            with lock:
+                written.append(name)  # before writing: a partial file is deleted too
+            try:
+                dest.write_file(name, [buf])
+            except Exception as e:
+                raise CheckpointError(
+                    f"writing {name!r} (tensors {', '.join(repr(p.fqn) for p in task.pieces)}) "
+                    f"of {dest.checkpoint_id!r} failed: {e}") from e
+            if on_bytes is not None:
+                on_bytes(task.size)
+            return [(p.fqn, ChunkMeta((0,) * len(p.meta.shape), p.meta.shape, name, p.position,
+                                      p.meta.nbytes, crc, ranks.rank))
+                    for p, crc in zip(task.pieces, crcs, strict=True)]
+        finally:
+            budget.release(task.size)
+
+    def work() -> list[tuple[str, ChunkMeta]]:
+        with ThreadPoolExecutor(max(1, min(dest.thread_count, len(mine) or 1))) as pool:
+            futures = [pool.submit(run_task, t) for t in mine]
+            return [entry for f in futures for entry in f.result()]
+
+    def finish(results: list) -> Metadata:
+        chunks = dict(entry for result in results for entry in result)
+        out = Metadata(save_id=save_id, world_size=ranks.world_size)
+        for fqn, meta in md.tensors.items():
+            out.tensors[fqn] = TensorMeta(meta.shape, meta.dtype,
+                                          [chunks[fqn]] if fqn in chunks else [])
+        try:
+            commit_metadata(dest, METADATA_FILE, out, overwrite)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"committing {METADATA_FILE!r} of {dest.checkpoint_id!r} "
+                                  f"failed: {e}") from e
+        if overwrite:
+            delete_stale(dest, out.files(), lambda name: True)
+        return out
+
+    return run_collectively(ranks, work, finish, lambda: dest.delete(written))
+
+
+# ---- export: files produced on demand, read ahead ---------------------------
+
+@dataclass
+class OutputFile:
+    """One file of an export: ``name``, its leading bytes ``header``, and
+    its tensors in order, each ``(fqn, meta, cast)`` — ``cast`` a dtype name
+    to convert it to, or ``None``."""
+
+    name: str
+    header: bytes
+    tensors: list[tuple[str, TensorMeta, str | None]]
+
+
+class _ReadAhead(Sequence):
+    """The buffers of one :class:`OutputFile` for ``write_file``: the
+    header, then each tensor, read (and cast) by ``pool`` ahead of the
+    writer while the bytes in flight stay within ``share``.  A buffer's
+    bytes leave the budget when the writer asks for the next one."""
+
+    def __init__(self, out: OutputFile, storage: StoragePlugin, pool: ThreadPoolExecutor,
+                 share: int, on_bytes: Callable[[int], None] | None) -> None:
+        self.out = out
+        self.storage = storage
+        self.pool = pool
+        self.budget = ByteBudget(share)
+        self.on_bytes = on_bytes
+        self.futures: dict[int, Future] = {}
+        self.sizes: dict[int, int] = {}
+        self.next = 0  # next tensor to submit
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 1 + len(self.out.tensors)
+
+    def _size(self, i: int) -> int:
+        _, meta, cast = self.out.tensors[i]
+        itemsize = DTYPE_ITEMSIZE[cast or meta.dtype]
+        return meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * itemsize
+
+    def _fetch(self, i: int) -> memoryview:
+        fqn, meta, cast = self.out.tensors[i]
+        check_readable(self.storage, fqn, meta)
+        raw = aligned_bytes(meta.nbytes)
+        _read_tensors(self.storage, [(fqn, meta, raw)])
+        if cast is None or cast == meta.dtype or not meta.nbytes:
+            return raw
+        out = aligned_bytes(self._size(i))
+        source = tensors.from_bytes(tensors.bytes_of(raw), meta.dtype, meta.shape)
+        tensors.copy_into(tensors.from_bytes(tensors.bytes_of(out), cast, meta.shape), source)
+        return out
+
+    def _submit_ahead(self) -> None:
+        """Submit reads in order while they fit the share (the first always)."""
+        with self.lock:
+            while self.next < len(self.out.tensors):
+                size = self._size(self.next)
+                if self.budget.held and self.budget.held + size > self.budget.capacity:
+                    return
+                self.budget.acquire(size)
+                self.sizes[self.next] = size
+                self.futures[self.next] = self.pool.submit(self._fetch, self.next)
+                self.next += 1
+
+    def __getitem__(self, i: int):  # type: ignore[override]  # read by index only
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        if i == 0:
+            self._submit_ahead()
+            return self.out.header
+        for done in [k for k in self.futures if k < i - 1]:
+            self._drop(done)
+        self._submit_ahead()
+        if i - 1 not in self.futures:
+            raise CheckpointError(f"{self.out.name!r}: buffer {i} asked for out of order")
+        view = self.futures[i - 1].result()
+        if self.on_bytes is not None:
+            self.on_bytes(len(view))
+        return view
+
+    def _drop(self, k: int) -> None:
+        self.futures.pop(k)
+        self.budget.release(self.sizes.pop(k))
+
+    def close(self) -> None:
+        for k in list(self.futures):
+            self.futures[k].cancel()
+            self._drop(k)
+
+
+def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StoragePlugin, *,
+                 buffer_bytes: int = DEFAULT_BUDGET_BYTES, process_group=None,
+                 finish: Callable[[], list[str]] = lambda: [],
+                 on_bytes: Callable[[int], None] | None = None) -> list[str]:
+    """Write ``files`` into ``dest``, tensors read from ``storage``;
+    collective over ``process_group`` when one is passed (file ``k``
+    on rank ``k % world_size``).  Then ``finish`` runs on rank 0 (writing an
+    index, say) and returns the names it wrote.  Returns every name
+    written, on every rank.  On a failure anywhere every rank deletes what
+    it wrote and raises :class:`CheckpointError` naming the file."""
+    ranks = Ranks.of(process_group)
+    mine = [f for k, f in enumerate(files) if ranks.mine(k)]
+    writers = max(1, min(dest.thread_count, len(mine)))
+    share = max(1, buffer_bytes // writers)
+    written: list[str] = []
+    lock = threading.Lock()
+
+    def write_one(out: OutputFile, pool: ThreadPoolExecutor) -> None:
+        with lock:
+            written.append(out.name)
+        buffers = _ReadAhead(out, storage, pool, share, on_bytes)
+        try:
+            dest.write_file(out.name, buffers)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"writing {out.name!r} to {dest.checkpoint_id!r} failed: "
+                                  f"{e}") from e
+        finally:
+            buffers.close()
+
+    def work() -> None:
+        readers = ThreadPoolExecutor(max(2, writers * 2))
+        try:
+            with ThreadPoolExecutor(writers) as pool:
+                for f in [pool.submit(write_one, out, readers) for out in mine]:
+                    f.result()
+        finally:
+            readers.shutdown(wait=True, cancel_futures=True)
+
+    extra: list[str] = []
+
+    def done(results: list) -> list[str]:
+        extra.extend(finish())
+        return extra
+
+    def cleanup() -> None:
+        dest.delete(written + extra)
+
+    tail = run_collectively(ranks, work, done, cleanup)
+    return [f.name for f in files] + list(tail)

@@ -1,0 +1,144 @@
+"""Parallel conversions (:mod:`dcp.interop.parallel`): the same bytes from 2
+ranks as from 1, the memory budget, export casting and prefix filtering, and
+errors naming the tensor and file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import dcp
+from dcp.interop.parallel import ByteBudget
+from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
+from dist_harness import dist_scenario
+from helpers import assert_bitwise_equal, random_tensor
+
+BUDGET = 1 << 20  # small: many data files, several in flight
+
+
+def _model() -> dict[str, torch.Tensor]:
+    """Mixed dtypes and sizes (some above the budget), a 0-dim and an empty
+    tensor; the same on every rank."""
+    sd = {}
+    for i, (shape, dtype) in enumerate([((300, 512), torch.float32), ((7, 3), torch.bfloat16),
+                                        ((1000,), torch.int64), ((700, 500), torch.float32),
+                                        ((), torch.float32), ((0, 4), torch.float16),
+                                        ((64, 64), torch.float16), ((5,), torch.bool)]):
+        sd[f"model.layer{i}.w"] = random_tensor(shape, dtype, seed=i)
+    sd["optim.state.m"] = random_tensor((10, 10), torch.float32, seed=99)
+    return sd
+
+
+def _hf_folder(folder: Path) -> Path:
+    """The model as a sharded safetensors folder (3 files)."""
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    sd, keys, weight_map = _model(), list(_model()), {}
+    for k in range(3):
+        name = f"model-{k + 1:05d}-of-00003.safetensors"
+        part = {key: sd[key] for key in keys[k::3]}
+        save_file(part, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def _fingerprint(ckpt: Path) -> tuple[dict, dict]:
+    """A checkpoint's data files by name without the save id (bytes), and
+    every chunk without its writer rank and save id."""
+    md = dcp.read_metadata(str(ckpt))
+    strip = lambda name: re.sub(r"\.[0-9a-f]{16}\.", ".", name)  # noqa: E731
+    files = {strip(name): (ckpt / name).read_bytes() for name in md.files()}
+    chunks = {fqn: (meta.shape, meta.dtype, [(c.offsets, c.sizes, strip(c.file), c.byte_offset,
+                                              c.nbytes, c.checksum) for c in meta.chunks])
+              for fqn, meta in md.tensors.items()}
+    return files, chunks
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_two_rank_conversions(ctx):
+    import torch.distributed as dist
+
+    src = ctx.shared / "parallel-hf"
+    if ctx.rank == 0:
+        _hf_folder(src)
+    ctx.barrier()
+    md = safetensors_to_checkpoint(str(src), str(ctx.shared / "parallel-2"), buffer_bytes=BUDGET,
+                                   process_group=dist.group.WORLD)
+    assert md.world_size == 2 and len(md.tensors) == len(_model())
+    assert {c.rank for t in md.tensors.values() for c in t.chunks} == {0, 1}
+    result = checkpoint_to_safetensors(str(ctx.shared / "parallel-2"),
+                                       str(ctx.shared / "parallel-2-export"),
+                                       max_shard_size="400KB", dtype="bfloat16", model_only=True,
+                                       buffer_bytes=BUDGET, process_group=dist.group.WORLD)
+    assert len(result.files) > 3 and result.files[-1] == "model.safetensors.index.json"
+
+
+def test_two_ranks_write_the_same_bytes_as_one(dist_groups, tmp_path):
+    scenario = test_two_rank_conversions
+    dist_groups.check(f"{scenario.__module__}:{scenario.__qualname__}")
+    shared = dist_groups.shared
+    src = _hf_folder(tmp_path / "hf")
+    safetensors_to_checkpoint(str(src), str(tmp_path / "one"), buffer_bytes=BUDGET)
+    assert _fingerprint(tmp_path / "one") == _fingerprint(shared / "parallel-2")
+    assert len(_fingerprint(tmp_path / "one")[0]) >= 2  # several files: both ranks wrote some
+    checkpoint_to_safetensors(str(tmp_path / "one"), str(tmp_path / "export"),
+                              max_shard_size="400KB", dtype="bfloat16", model_only=True,
+                              buffer_bytes=BUDGET)
+    names = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert names == sorted(p.name for p in (shared / "parallel-2-export").iterdir())
+    for name in names:
+        assert (tmp_path / "export" / name).read_bytes() == \
+            (shared / "parallel-2-export" / name).read_bytes(), name
+
+
+def test_export_casts_floating_point_tensors_and_filters_by_prefix(tmp_path):
+    sd = _model()
+    dcp.save(sd, str(tmp_path / "ckpt"))
+    result = checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                                       dtype="bfloat16", model_only=True, buffer_bytes=BUDGET)
+    assert result.files == ["model.safetensors"]
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(k.removeprefix("model.") for k in sd
+                                          if k.startswith("model."))
+        for fqn, value in sd.items():
+            if not fqn.startswith("model."):
+                continue
+            expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+            assert_bitwise_equal(f.get_tensor(fqn.removeprefix("model.")), expected, fqn)
+    checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "opt"), prefix="optim.")
+    with safe_open(tmp_path / "opt" / "model.safetensors", "pt") as f:
+        assert list(f.keys()) == ["state.m"]
+        assert_bitwise_equal(f.get_tensor("state.m"), sd["optim.state.m"], "optim.state.m")
+    with pytest.raises(dcp.CheckpointError, match="no tensor whose fqn starts with 'nope.'"):
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "x"), prefix="nope.")
+    with pytest.raises(dcp.CheckpointError, match="'int8' is not a floating-point dtype"):
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "x"), dtype="int8")
+
+
+def test_a_corrupt_chunk_fails_the_import_naming_tensor_and_file_and_commits_nothing(tmp_path):
+    src = _hf_folder(tmp_path / "hf")
+    path = src / "model-00001-of-00003.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])  # truncated: its last tensor is short
+    with pytest.raises(dcp.CheckpointError, match=r"model-00001-of-00003\.safetensors"):
+        safetensors_to_checkpoint(str(src), str(tmp_path / "ckpt"), buffer_bytes=BUDGET)
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+
+
+def test_byte_budget_holds_at_most_its_capacity_but_lets_a_larger_request_pass_alone():
+    budget = ByteBudget(10)
+    budget.acquire(6)
+    budget.acquire(4)
+    assert budget.held == 10
+    budget.release(10)
+    budget.acquire(25)  # larger than the whole budget: granted once nothing is held
+    assert budget.peak == 25
+    budget.release(25)
