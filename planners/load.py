@@ -296,10 +296,9 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
             if (rank, item.fqn, item.chunk) in wanted:
                 members[(plans[rank].host, item.fqn, item.chunk)][rank].append(item)
     stream = []
-    def size(key: tuple[str, str, int]) -> int:
-        return max(n for (_, f, c), n in wanted.items() if (f, c) == key[1:])
-
-    for key in sorted(members, key=lambda k: (-size(k), k)):
+    received: list[set[ReadItem]] = [set() for _ in plans]
+    sizes = {(fqn, number): nbytes for (_, fqn, number), nbytes in wanted.items()}
+    for key in sorted(members, key=lambda k: (-sizes[k[1:]], k)):
         fqn, number, of_rank = key[1], key[2], members[key]
         if len(of_rank) < 2:
             continue
@@ -311,12 +310,14 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
         read[src] += nbytes
         for r in ranks:
             if r != src:
-                kept = set(of_rank[r])
-                single[r] = [i for i in single[r] if i not in kept]
+                received[r].update(of_rank[r])
         moved[(ranks, "storage")] += nbytes
         moved[(ranks, SHARED_MEMORY)] += nbytes * (len(ranks) - 1)
         stream.append({r: Transfer(ranks, src, tuple(of_rank[r]), True, whole_chunk=True)
                        for r in ranks})
+    for r, taken in enumerate(received):
+        if taken:
+            single[r] = [i for i in single[r] if i not in taken]
     return stream
 
 
