@@ -342,6 +342,19 @@ def _rename_map(path: str | None) -> dict[str, str] | None:
     return rename
 
 
+def _job_group():
+    """The whole job's process group when run under ``torchrun`` with more
+    than one rank (its ``WORLD_SIZE`` and rendezvous variables; gloo), else
+    ``None``: a conversion then runs in this process alone."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.group.WORLD
+
+
 def _convert(args) -> int:
     options = _options(args.option)
     source = _detect(args.src, options)
@@ -352,23 +365,31 @@ def _convert(args) -> int:
         return EXIT_USAGE
     common = {"rename": _rename_map(args.rename_map), "overwrite": args.overwrite,
               "progress": _progress(args)}
+    budget = safetensors_io.parse_size(args.buffer_bytes)
+    group = _job_group()
     started = time.perf_counter()
     src_options, dst_options = _options_for(args.src, options), _options_for(args.dst, options)
     skipped: list[str]  # the values the target format cannot hold
     if (source, target) == ("safetensors", "hyperdcp"):
         md = safetensors_io.safetensors_to_checkpoint(
-            args.src, args.dst, source_options=src_options, storage_options=dst_options, **common)
+            args.src, args.dst, source_options=src_options, storage_options=dst_options,
+            buffer_bytes=budget, process_group=group, **common)
         count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
+    elif (source, target) == ("hyperdcp", "safetensors"):
+        result = safetensors_io.checkpoint_to_safetensors(
+            args.src, args.dst, max_shard_size=args.max_shard_size, storage_options=src_options,
+            dest_options=dst_options, dtype=args.dtype, model_only=args.model_only,
+            prefix=args.prefix, buffer_bytes=budget, process_group=group, **common)
+        count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
+    elif group is not None and target in FORMATS and source in FORMATS:
+        print("hyperdcp convert: error: only the safetensors conversions run on several ranks; "
+              "run this one in one process", file=sys.stderr)
+        return EXIT_USAGE
     elif (source, target) == ("torch-dcp", "hyperdcp"):
         md = torch_dcp_io.torch_dcp_to_checkpoint(
             args.src, args.dst, trusted=args.trust_pickle, allow_pickle=args.allow_pickle,
             storage_options=dst_options, **common)
         count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
-    elif (source, target) == ("hyperdcp", "safetensors"):
-        result = safetensors_io.checkpoint_to_safetensors(
-            args.src, args.dst, max_shard_size=args.max_shard_size, storage_options=src_options,
-            dest_options=dst_options, **common)
-        count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
     elif (source, target) == ("hyperdcp", "torch-dcp"):
         result = torch_dcp_io.checkpoint_to_torch_dcp(
             args.src, args.dst, allow_pickle=args.allow_pickle, storage_options=src_options,
@@ -379,6 +400,8 @@ def _convert(args) -> int:
               f"first", file=sys.stderr)
         return EXIT_USAGE
     seconds = time.perf_counter() - started
+    if group is not None and __import__("torch.distributed").distributed.get_rank() != 0:
+        return 0
     print(f"converted {count} tensors ({nbytes} bytes) from {source} {args.src} to {target} "
           f"{args.dst} in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 2**20:.0f} MiB/s)")
     if skipped:
@@ -447,8 +470,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="convert between hyperdcp, safetensors and PyTorch DCP",
                        description="Convert SRC (format detected: hyperdcp checkpoint, "
                                    "safetensors folder or file, PyTorch DCP checkpoint) into "
-                                   "DST, streaming tensor by tensor. Exit 0, or 1 on error, 2 "
-                                   "on bad usage.")
+                                   "DST, streaming, several files at once within --buffer-bytes; "
+                                   "under torchrun the safetensors conversions are shared over "
+                                   "the ranks. Exit 0, or 1 on error, 2 on bad usage.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--to", choices=FORMATS,
@@ -459,6 +483,15 @@ def _parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--rename-map", metavar="FILE",
                    help="JSON file mapping source names to destination names")
+    p.add_argument("--buffer-bytes", default="512MiB", metavar="SIZE",
+                   help="safetensors conversions: memory budget per process, e.g. 2GiB "
+                        "(default %(default)s; at least the largest tensor is let through)")
+    p.add_argument("--dtype", default=None, metavar="DTYPE",
+                   help="safetensors export: cast floating-point tensors, e.g. bfloat16")
+    p.add_argument("--model-only", action="store_true",
+                   help="safetensors export: only the tensors under 'model.', named without it")
+    p.add_argument("--prefix", default=None,
+                   help="safetensors export: only the tensors under this prefix, named without it")
     p.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     p.add_argument("--trust-pickle", action="store_true",
                    help="PyTorch DCP source: allow reading its pickled metadata and values, "
