@@ -18,9 +18,11 @@ plugin, which gives:
   loads straight from a Hugging Face folder with resharding and ranged
   reads, each rank reading only the bytes of its own shards.
 * :func:`safetensors_to_checkpoint` and :func:`checkpoint_to_safetensors` —
-  streaming conversions both ways (one tensor in memory at a time, plus the
-  writer's buffer), sharding the export by ``max_shard_size`` as
-  ``transformers`` does.
+  streaming conversions both ways, several files at once within a memory
+  budget and optionally shared over a job's ranks
+  (:mod:`dcp.interop.parallel`), sharding the export by ``max_shard_size``
+  as ``transformers`` does; the export can cast (``dtype``) and keep one
+  prefix (``model_only``, ``prefix``).
 
 Dtypes: every byte-sized safetensors dtype (:data:`SAFETENSORS_DTYPES`);
 the sub-byte ones (``F4``, ``F6_*``) have no torch dtype a checkpoint can
@@ -56,6 +58,7 @@ from dcp.interop.parallel import (
     export_files,
     import_checkpoint,
 )
+from dcp.interop.remap import RemappedView
 from dcp.interop.streaming import ExportResult, progress_bar, renamed
 from dcp.orchestration.load import LoadReport, load, read_metadata
 
@@ -277,7 +280,7 @@ class SafetensorsFolder(StoragePlugin):
 
 
 def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | None = None,
-                     strict: bool = True, allow_dtype_cast: bool = False,
+                     remap: dict | None = None, strict: bool = True, allow_dtype_cast: bool = False,
                      planner: LoadPlanner | None = None, process_group=None,
                      storage_options: dict | None = None) -> LoadReport:
     """Fill ``state_dict`` in place straight from a Hugging Face safetensors
@@ -293,6 +296,9 @@ def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | 
             ``rename``.
         source: folder or ``.safetensors`` file, path or URI.
         rename: safetensors name -> fqn, for names that differ.
+        remap: a map (:mod:`dcp.interop.remap`) filling fused or stacked
+            targets from several tensors (after ``rename``); each rank
+            reads only the source regions of its own boxes.
         strict, allow_dtype_cast, planner, process_group: as for
             :func:`dcp.load`.
         storage_options: options of the storage plugin holding ``source``.
@@ -306,7 +312,9 @@ def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | 
         CorruptCheckpointError: malformed header or index, short file.
         CheckpointError: shape/dtype mismatch, missing keys, bad rename map.
     """
-    view = SafetensorsFolder(source, rename=rename, **(storage_options or {}))
+    view: StoragePlugin = SafetensorsFolder(source, rename=rename, **(storage_options or {}))
+    if remap is not None:
+        view = RemappedView(view, view.metadata, remap)  # type: ignore[attr-defined]
     return load(state_dict, str(source), storage=view, strict=strict,
                 allow_dtype_cast=allow_dtype_cast, planner=planner, process_group=process_group,
                 verify="none")  # nothing to verify against: read only the bytes needed
@@ -414,6 +422,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
                               rename: dict[str, str] | None = None,
                               metadata: dict[str, str] | None = None, overwrite: bool = False,
                               dtype: str | None = None, model_only: bool = False,
+                              remap: dict | None = None,
                               prefix: str | None = None,
                               buffer_bytes: int = DEFAULT_BUDGET_BYTES,
                               storage_options: dict | None = None,
@@ -446,6 +455,9 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
             those the export does not rewrite are deleted after it.
         dtype: cast floating-point tensors to this dtype (``"bfloat16"``,
             ``"float16"``, ...); integer and bool tensors are kept.
+        remap: a map applied first (:mod:`dcp.interop.remap`), e.g.
+            ``remap.inverse(fused_map, metadata)`` to publish a fused
+            training layout under the Hugging Face names.
         model_only: export only the tensors under ``model.`` (the prefix
             stripped), as ``prefix="model."``.
         prefix: export only the tensors whose fqn starts with it, named
@@ -469,8 +481,11 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     header_meta = {"format": "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in header_meta.items()):
         raise CheckpointError(f"safetensors metadata must map str to str, got {metadata!r}")
-    storage = open_storage(str(checkpoint_id), **(storage_options or {}))
+    storage: StoragePlugin = open_storage(str(checkpoint_id), **(storage_options or {}))
     md = read_metadata(str(checkpoint_id), storage=storage)
+    if remap is not None:
+        view = RemappedView(storage, md, remap)
+        storage, md = view, view.metadata
     where = repr(str(checkpoint_id))
     stripped, casts = _export_selection(md, "model." if model_only and not prefix else prefix,
                                         dtype, where)
