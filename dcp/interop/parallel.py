@@ -19,7 +19,7 @@ whole before a byte moves, then run as independent *file tasks*:
 * **export** (:func:`export_files`): each output file is written by one
   task whose buffers are produced on demand; the task's reader threads
   fetch and consolidate the next tensors ahead of the writer (read and
-  write overlap) within the task's share of the budget.
+  write overlap) within the budget, shared by the files written at once.
 
 Tasks run on a thread pool (the destination's ``thread_count``), under a
 :class:`ByteBudget` of ``buffer_bytes`` — peak memory stays within the
@@ -79,6 +79,15 @@ class ByteBudget:
             self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.capacity)
             self.held += n
             self.peak = max(self.peak, self.held)
+
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes if they fit now (or nothing is held); no wait."""
+        with self._cv:
+            if self.held and self.held + n > self.capacity:
+                return False
+            self.held += n
+            self.peak = max(self.peak, self.held)
+            return True
 
     def release(self, n: int) -> None:
         with self._cv:
@@ -375,15 +384,19 @@ class OutputFile:
 class _ReadAhead(Sequence):
     """The buffers of one :class:`OutputFile` for ``write_file``: the
     header, then each tensor, read (and cast) by ``pool`` ahead of the
-    writer while the bytes in flight stay within ``share``.  A buffer's
-    bytes leave the budget when the writer asks for the next one."""
+    writer while the bytes in flight fit ``budget``, shared by every file
+    written at once.  A buffer's bytes leave the budget when the writer asks
+    for the next one.  Only a file holding nothing of the budget waits for
+    it (so the files holding some always progress: no deadlock), and a
+    tensor larger than the budget passes alone."""
 
     def __init__(self, out: OutputFile, storage: StoragePlugin, pool: ThreadPoolExecutor,
-                 share: int, on_bytes: Callable[[int], None] | None) -> None:
+                 budget: ByteBudget, on_bytes: Callable[[int], None] | None) -> None:
         self.out = out
         self.storage = storage
         self.pool = pool
-        self.budget = ByteBudget(share)
+        self.budget = budget
+        self.held = 0
         self.on_bytes = on_bytes
         self.futures: dict[int, Future] = {}
         self.sizes: dict[int, int] = {}
@@ -394,9 +407,11 @@ class _ReadAhead(Sequence):
         return 1 + len(self.out.tensors)
 
     def _size(self, i: int) -> int:
+        """Bytes tensor ``i`` holds: read, plus its cast copy."""
         _, meta, cast = self.out.tensors[i]
-        itemsize = DTYPE_ITEMSIZE[cast or meta.dtype]
-        return meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * itemsize
+        if cast is None or cast == meta.dtype:
+            return meta.nbytes
+        return meta.nbytes + meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast]
 
     def _fetch(self, i: int) -> memoryview:
         fqn, meta, cast = self.out.tensors[i]
@@ -405,19 +420,21 @@ class _ReadAhead(Sequence):
         _read_tensors(self.storage, [(fqn, meta, raw)])
         if cast is None or cast == meta.dtype or not meta.nbytes:
             return raw
-        out = aligned_bytes(self._size(i))
+        out = aligned_bytes(meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast])
         source = tensors.from_bytes(tensors.bytes_of(raw), meta.dtype, meta.shape)
         tensors.copy_into(tensors.from_bytes(tensors.bytes_of(out), cast, meta.shape), source)
         return out
 
     def _submit_ahead(self) -> None:
-        """Submit reads in order while they fit the share (the first always)."""
+        """Submit reads in order while they fit the budget."""
         with self.lock:
             while self.next < len(self.out.tensors):
                 size = self._size(self.next)
-                if self.budget.held and self.budget.held + size > self.budget.capacity:
+                if not self.held:
+                    self.budget.acquire(size)
+                elif not self.budget.try_acquire(size):
                     return
-                self.budget.acquire(size)
+                self.held += size
                 self.sizes[self.next] = size
                 self.futures[self.next] = self.pool.submit(self._fetch, self.next)
                 self.next += 1
@@ -441,7 +458,9 @@ class _ReadAhead(Sequence):
 
     def _drop(self, k: int) -> None:
         self.futures.pop(k)
-        self.budget.release(self.sizes.pop(k))
+        size = self.sizes.pop(k)
+        self.held -= size
+        self.budget.release(size)
 
     def close(self) -> None:
         for k in list(self.futures):
@@ -462,14 +481,14 @@ def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StorageP
     ranks = Ranks.of(process_group)
     mine = [f for k, f in enumerate(files) if ranks.mine(k)]
     writers = max(1, min(dest.thread_count, len(mine)))
-    share = max(1, buffer_bytes // writers)
+    budget = ByteBudget(buffer_bytes)
     written: list[str] = []
     lock = threading.Lock()
 
     def write_one(out: OutputFile, pool: ThreadPoolExecutor) -> None:
         with lock:
             written.append(out.name)
-        buffers = _ReadAhead(out, storage, pool, share, on_bytes)
+        buffers = _ReadAhead(out, storage, pool, budget, on_bytes)
         try:
             dest.write_file(out.name, buffers)
         except CheckpointError:
