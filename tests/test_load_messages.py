@@ -55,3 +55,23 @@ def test_a_lenient_load_that_matched_nothing_warns(ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a load that matched something does not warn
         dcp.load({"model.w": torch.zeros(2, 3), "other": 1}, ckpt, strict=False)
+
+
+def test_a_save_over_an_uncoordinated_checkpoint_needs_overwrite(tmp_path):
+    """A checkpoint committed by coordination="none" (per-rank metadata
+    files) is not replaced silently by a coordinated save; replaced with
+    overwrite=True, its ranks' metadata files go with its data files."""
+    path = str(tmp_path / "c")
+    dcp.async_save({"w": torch.ones(4)}, path, coordination="none").result(120)
+    for save in (lambda: dcp.save({"w": torch.full((4,), 2.0)}, path),
+                 lambda: dcp.async_save({"w": torch.full((4,), 2.0)}, path).result(120)):
+        with pytest.raises(dcp.CheckpointError, match=r"already holds a committed checkpoint "
+                                                      r"\(metadata.rank00000.json\)"):
+            save()
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, path)
+    assert torch.equal(target["w"], torch.ones(4))
+    dcp.save({"w": torch.full((4,), 2.0)}, path, overwrite=True)
+    assert not list((tmp_path / "c").glob("metadata.rank*.json"))
+    dcp.load(target, path)
+    assert torch.equal(target["w"], torch.full((4,), 2.0))

@@ -208,3 +208,28 @@ def test_a_cast_copies_straight_from_the_cache(tmp_path):
     assert_bitwise_equal(target["w"].data, full["w"][:, 19:].float(), "w")
     assert_bitwise_equal(target["i"], full["i"].double(), "i")
     assert report.requests == 2
+
+
+def test_a_missing_file_is_corrupt_and_named_a_failed_read_is_not_corrupt(tmp_path):
+    full = {"w": _full(torch.float32, (64, 32), 6)}
+    md = dcp.save(full, str(tmp_path / "c"))
+    chunk = md.tensors["w"].chunks[0]
+    (tmp_path / "c" / chunk.file).unlink()
+    for target in ({"w": torch.zeros(64, 32)},  # read into the target
+                   {"w": dcp.TensorShard(torch.zeros(64, 8), (64, 32), (0, 8))}):  # mapped
+        with pytest.raises(dcp.CorruptCheckpointError,
+                           match=rf"'w'.*offsets \[0, 0\].*{chunk.file}.*FileNotFoundError"):
+            dcp.load(target, str(tmp_path / "c"))
+
+    class Failing(PosixStorage):
+        def read_requests(self, name, requests):
+            raise OSError(28, "injected ENOSPC")
+
+        def read_ranges(self, name, ranges):
+            raise OSError(28, "injected ENOSPC")
+
+    md = dcp.save(full, str(tmp_path / "d"))
+    with pytest.raises(dcp.CheckpointError, match=r"'w'.*injected ENOSPC") as e:
+        dcp.load({"w": torch.zeros(64, 32)}, str(tmp_path / "d"),
+                 storage=Failing(str(tmp_path / "d")))
+    assert not isinstance(e.value, dcp.CorruptCheckpointError)

@@ -199,7 +199,9 @@ class WorkerHandle:
         the worker killed, if it died or is not ready by then."""
         if self.started:
             return
+        started = time.monotonic()
         ready = wait_ready([self._conn, self.process.sentinel], timeout)
+        timed_out = not ready and time.monotonic() - started >= timeout
         if self._conn in ready:
             try:
                 self._conn.recv()  # its "ready"
@@ -214,8 +216,12 @@ class WorkerHandle:
         if self.process.exitcode == EXIT_MAIN_RERUN:
             raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) "
                                   f"re-ran the training script's code: {_rerun_advice()}")
-        what = (f"did not start within timeout={timeout:g} s" if alive
-                else f"died while starting (exit code {self.process.exitcode})")
+        if timed_out:
+            what = f"did not start within timeout={timeout:g} s"
+        elif alive:
+            what = "closed its connection while starting"
+        else:
+            what = f"died while starting (exit code {self.process.exitcode})"
         raise CheckpointError(
             f"the async-save worker process (pid {self.process.pid}) {what}; if the training "
             f"script's code outside `if __name__ == \"__main__\":` blocks or trains, the "

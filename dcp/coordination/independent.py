@@ -25,15 +25,17 @@ from __future__ import annotations
 import zlib
 
 from dcp.core.boxes import volume
-from dcp.core.metadata import METADATA_FILE, Metadata, TensorMeta, decode, encode
+from dcp.core.metadata import (
+    METADATA_FILE,
+    Metadata,
+    TensorMeta,
+    decode,
+    encode,
+    rank_metadata_file,
+)
 from dcp.core.storage import StoragePlugin
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.orchestration.save import SaveState, _Save, data_file_prefix
-
-
-def rank_metadata_file(rank: int) -> str:
-    """Name of the metadata file rank ``rank`` commits."""
-    return f"metadata.rank{rank:05d}.json"
 
 
 def _writes(slot: tuple[int, int], fqn: str, offsets: tuple[int, ...]) -> bool:

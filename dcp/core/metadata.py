@@ -38,6 +38,18 @@ READ_VERSIONS = (1, 2)
 #: The types a raw blob loads back as (:attr:`ObjectMeta.raw_type`).
 RAW_TYPES = ("bytes", "BytesIO")
 METADATA_FILE = "metadata.json"
+
+
+def rank_metadata_file(rank: int) -> str:
+    """Name of the metadata file rank ``rank`` commits in a save without
+    cross-rank traffic (``coordination="none"``)."""
+    return f"metadata.rank{rank:05d}.json"
+
+
+def is_rank_metadata_file(name: str) -> bool:
+    """Whether ``name`` is named like :func:`rank_metadata_file`'s files."""
+    return len(name) == len("metadata.rank00000.json") and name.startswith("metadata.rank") \
+        and name[13:18].isdigit() and name.endswith(".json")
 CHECKSUM = "crc32c"
 #: The chunk table's checksum for a chunk that has none (``ChunkMeta.checksum
 #: is None``); CRC-32C values are never negative.

@@ -385,7 +385,14 @@ class _Load:
         out: list = [None] * len(items)
         with contextlib.ExitStack() as stack:
             # from a cache the host shares, chunks read whole are mapped, not read
-            mapping = stack.enter_context(self.storage.mapped(name)) if cost.shared_cache else None
+            mapping = None
+            if cost.shared_cache:
+                try:
+                    mapping = stack.enter_context(self.storage.mapped(name))
+                except Exception as e:
+                    first = items[0]
+                    chunk = self.metadata.tensors[first.fqn].chunks[first.chunk]
+                    raise self._read_error(first.fqn, chunk, e) from e
             wave: list[_Sink] = []
             held = 0
             for (fqn, number), indices in by_chunk.items():
@@ -528,12 +535,13 @@ class _Load:
             calls.append((request.offset, parts))
         try:
             self.storage.read_requests(name, calls)
-        except Exception:  # find the region at fault, to name it
+        except Exception as e:  # find the region at fault, to name it
             for number, sink in enumerate(sinks):
                 ranges = [(r.offset, views[number][r.pos:r.pos + r.length])
                           for r in runs if r.sink == number]
                 self._fetch(items[sink.items[0]].fqn, sink.chunk, ranges)
-            raise
+            # each region alone reads (a failure that passed): name the first
+            raise self._read_error(items[sinks[0].items[0]].fqn, sinks[0].chunk, e) from e
         with self.lock:
             self.counts[cached][0] += sum(r.length for r in requests)
             self.counts[cached][1] += len(requests)
@@ -544,9 +552,17 @@ class _Load:
         try:
             self.storage.read_ranges(chunk.file, ranges)
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
-                f"{chunk.file!r} failed on rank {self.coord.rank}: {e}") from e
+            raise self._read_error(fqn, chunk, e) from e
+
+    def _read_error(self, fqn: str, chunk: ChunkMeta, error: Exception) -> CheckpointError:
+        """The error naming the region whose read failed: the checkpoint is
+        corrupt where its file is missing or too short; any other failure
+        (a timeout, a full disk) says nothing about the checkpoint."""
+        kind = CorruptCheckpointError if isinstance(error, FileNotFoundError | EOFError) \
+            else CheckpointError
+        return kind(f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                    f"{chunk.file!r} failed on rank {self.coord.rank}: "
+                    f"{type(error).__name__}: {error}")
 
     def _finish(self, sink: _Sink, view: memoryview, items: list[ReadItem],
                 keep: set[ReadItem], out: list) -> None:

@@ -55,7 +55,9 @@ from dcp.core.metadata import (
     checksum,
     decode,
     encode,
+    is_rank_metadata_file,
     min_version,
+    rank_metadata_file,
 )
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl, WriteItem, default_planner
 from dcp.core.state_dict import flatten
@@ -325,14 +327,17 @@ def is_data_file(name: str) -> bool:
     return re.fullmatch(r"r\d{5}-[^/]*" + re.escape(DATA_SUFFIX), name) is not None
 
 
-def delete_stale(storage: StoragePlugin, keep: set[str], owned: Callable[[str], bool]) -> None:
-    """After a commit: delete the data files not in ``keep`` for which
-    ``owned(name)`` holds — a replaced checkpoint's, and those of saves that
-    died before deleting theirs.  The new checkpoint is already committed,
-    so a failure here only leaves garbage: warn."""
+def delete_stale(storage: StoragePlugin, keep: set[str], owned: Callable[[str], bool],
+                 kind: Callable[[str], bool] | None = None) -> None:
+    """After a commit: delete the files of ``kind`` (default: data files)
+    not in ``keep`` for which ``owned(name)`` holds — a replaced
+    checkpoint's, and those of saves that died before deleting theirs.  The
+    new checkpoint is already committed, so a failure here only leaves
+    garbage: warn."""
+    kind = kind or is_data_file
     try:
         storage.delete(n for n in storage.list_files()
-                       if is_data_file(n) and n not in keep and owned(n))
+                       if kind(n) and n not in keep and owned(n))
     except OSError as e:
         warnings.warn(f"{storage.checkpoint_id!r}: could not delete the replaced "
                       f"checkpoint's data files: {e}", stacklevel=2)
@@ -506,11 +511,16 @@ class _Save:
         return final
 
     def check_target(self) -> None:
-        """Refuse to replace a committed checkpoint unless ``overwrite``."""
-        if not self.overwrite and self.storage.exists(METADATA_FILE):
-            raise CheckpointError(
-                f"{self.storage.checkpoint_id!r} already holds a committed checkpoint; "
-                f"pass overwrite=True to replace it")
+        """Refuse to replace a committed checkpoint unless ``overwrite``:
+        one committed by a coordinated save (``metadata.json``) or by a save
+        without traffic (its ranks' metadata files)."""
+        if self.overwrite:
+            return
+        for name in (METADATA_FILE, rank_metadata_file(0)):
+            if self.storage.exists(name):
+                raise CheckpointError(
+                    f"{self.storage.checkpoint_id!r} already holds a committed checkpoint "
+                    f"({name}); pass overwrite=True to replace it")
 
     # -- phase 2: writing
     def write(self, save_id: str, plan: SavePlan) -> WriteResult:
@@ -605,6 +615,10 @@ class _Save:
         # the replaced checkpoint's data files, and those an interrupted save
         # left (a process killed before it could delete them)
         delete_stale(self.storage, md.files(), self._owns)
+        if self.metadata_file == METADATA_FILE:
+            # a checkpoint saved without traffic replaced: its ranks' metadata
+            # files name data files now deleted (metadata.json is read first)
+            delete_stale(self.storage, set(), self._owns, is_rank_metadata_file)
         return md
 
     def _owns(self, name: str) -> bool:

@@ -262,8 +262,16 @@ def _by_step(entry) -> tuple:
     return (entry.name.rpartition("/")[0], step if step is not None else -1, entry.name)
 
 
+def _require_location(uri: str, options: dict) -> None:
+    """Refuse a root that does not exist (a mistyped path in a script must
+    not pass for an empty one)."""
+    if open_storage(uri, **options).location_exists() is False:
+        raise CheckpointError(f"{uri}: no such directory")
+
+
 def _list(args) -> int:
     options = _options_for(args.root, _options(args.option))
+    _require_location(args.root, options)
     found = sorted(inventory.scan(args.root, options), key=_by_step)
     latest, verdict = _latest(args.root, options, found)
     if args.json:
@@ -306,6 +314,7 @@ def _at_least_one(text: str) -> int:
 def _prune(args) -> int:
     options = _options(args.option)
     options = _options_for(args.uri, options)
+    _require_location(args.uri, options)
     result = inventory.prune(args.uri, args.min_age * 60, options)
     if args.keep_latest is not None:
         steps = prune_steps(args.uri, LatestN(args.keep_latest), options)
