@@ -36,6 +36,23 @@ def volume(sizes: Sequence[int]) -> int:
     return math.prod(sizes)
 
 
+def _runs_layout(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
+                 sizes: Sequence[int], itemsize: int) -> tuple[list[int], int, int, int]:
+    """How a sub-box's bytes lie in its row-major chunk (``ndim >= 1``):
+    the chunk's byte strides, ``k`` — the outermost dimension a run spans
+    (the dimensions after it are covered fully) —, the run length and the
+    first run's start."""
+    ndim = len(chunk_sizes)
+    strides = [itemsize] * ndim
+    for d in range(ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
+    k = ndim - 1
+    while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
+        k -= 1
+    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
+    return strides, k, sizes[k] * strides[k], base
+
+
 def byte_runs(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
               sizes: Sequence[int], itemsize: int) -> Iterator[tuple[int, int]]:
     """Contiguous byte runs ``(start, length)`` of a sub-box inside a chunk.
@@ -46,20 +63,10 @@ def byte_runs(chunk_sizes: Sequence[int], rel_offsets: Sequence[int],
     row-major bytes.  Trailing dimensions the sub-box covers fully are merged
     into one run.
     """
-    ndim = len(chunk_sizes)
-    if ndim == 0:
+    if not chunk_sizes:
         yield 0, itemsize
         return
-    # strides in bytes of the chunk's row-major layout
-    strides = [itemsize] * ndim
-    for d in range(ndim - 2, -1, -1):
-        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
-    # k: the outermost dimension a run spans; dims after k are fully covered
-    k = ndim - 1
-    while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
-        k -= 1
-    run = sizes[k] * strides[k]
-    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
+    strides, k, run, base = _runs_layout(chunk_sizes, rel_offsets, sizes, itemsize)
     if k == 0:
         yield base, run
         return
@@ -74,19 +81,11 @@ def run_extent(chunk_sizes: Sequence[int], rel_offsets: Sequence[int], sizes: Se
     them: ``(start, end, gap)`` — the first byte, the byte after the last,
     and the longest gap between two consecutive runs (bytes, chunk-relative;
     arguments as for :func:`byte_runs`).  ``None`` for an empty sub-box."""
-    ndim = len(chunk_sizes)
-    if ndim == 0:
+    if not chunk_sizes:
         return 0, itemsize, 0
     if not volume(sizes):
         return None
-    strides = [itemsize] * ndim
-    for d in range(ndim - 2, -1, -1):
-        strides[d] = strides[d + 1] * chunk_sizes[d + 1]
-    k = ndim - 1
-    while k > 0 and rel_offsets[k] == 0 and sizes[k] == chunk_sizes[k]:
-        k -= 1
-    run = sizes[k] * strides[k]
-    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
+    strides, k, run, base = _runs_layout(chunk_sizes, rel_offsets, sizes, itemsize)
     last = base + sum((sizes[d] - 1) * strides[d] for d in range(k))
     gap = 0
     wrapped = 0  # bytes that the dimensions inside d travel before wrapping to 0

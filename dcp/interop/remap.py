@@ -36,9 +36,10 @@ import math
 import re
 from dataclasses import replace
 
-from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta, encode
+from dcp.core.metadata import DTYPE_ITEMSIZE, ChunkMeta, Metadata, TensorMeta
 from dcp.core.storage import StoragePlugin
 from dcp.errors import CheckpointError
+from dcp.interop.view import ReadOnlyView
 
 #: Maps for the common fused layouts, Hugging Face names on the right.
 MAPS: dict[str, dict] = {
@@ -243,40 +244,19 @@ def _check_partition(src: str, m: TensorMeta, cuts: list[tuple[int, int, int, st
                               f"along dim {dim}")
 
 
-class RemappedView(StoragePlugin):
+class RemappedView(ReadOnlyView):
     """A checkpoint (or a safetensors folder's view) presented through a
     map: its metadata remapped by :func:`remap_metadata`, its reads going
     to the same files.  Read-only; pass it as ``storage=`` to
     :func:`dcp.load`."""
 
     def __init__(self, inner: StoragePlugin, metadata: Metadata, mapping: dict) -> None:
-        super().__init__(inner.checkpoint_id)
-        self.inner = inner
-        self.thread_count = inner.thread_count
-        self.read_cost = inner.read_cost
-        self.metadata = remap_metadata(metadata, mapping, repr(inner.checkpoint_id))
+        super().__init__(inner.checkpoint_id, inner, "remapped view")
+        self._metadata = remap_metadata(metadata, mapping, repr(inner.checkpoint_id))
 
-    def read_file(self, name: str) -> bytes:
-        if name == METADATA_FILE:
-            return encode(self.metadata)
-        return self.inner.read_file(name)
-
-    def read_ranges(self, name, ranges) -> None:
-        self.inner.read_ranges(name, ranges)
-
-    def read_requests(self, name, requests) -> None:
-        self.inner.read_requests(name, requests)
-
-    def exists(self, name: str) -> bool:
-        return name == METADATA_FILE or self.inner.exists(name)
-
-    def list_files(self) -> list[str]:
-        return self.inner.list_files()
-
-    def _read_only(self, *args, **kwargs):
-        raise CheckpointError(f"{self.checkpoint_id!r} is a remapped view, read-only")
-
-    write_file = commit_file = delete = _read_only
+    @property
+    def metadata(self) -> Metadata:
+        return self._metadata
 
 
 def inverse(mapping: dict, md: Metadata) -> dict:

@@ -41,12 +41,10 @@ import re
 from dcp.core import tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
-    METADATA_FILE,
     ChunkMeta,
     Metadata,
     TensorMeta,
     check_relative_path,
-    encode,
 )
 from dcp.core.planner import LoadPlanner
 from dcp.core.storage import StoragePlugin, open_storage
@@ -60,6 +58,7 @@ from dcp.interop.parallel import (
 )
 from dcp.interop.remap import RemappedView
 from dcp.interop.streaming import ExportResult, progress_bar, renamed
+from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import LoadReport, load, read_metadata
 
 #: safetensors dtype name -> checkpoint (torch) dtype name.
@@ -112,7 +111,7 @@ def _split_source(source: str) -> tuple[str, str | None]:
     return root or ".", name
 
 
-class SafetensorsFolder(StoragePlugin):
+class SafetensorsFolder(ReadOnlyView):
     """A safetensors model presented as a read-only checkpoint.
 
     ``source`` is a folder (sharded, with ``model.safetensors.index.json``,
@@ -126,11 +125,8 @@ class SafetensorsFolder(StoragePlugin):
     """
 
     def __init__(self, source: str, *, rename: dict[str, str] | None = None, **options) -> None:
-        super().__init__(str(source))
         root, self._single = _split_source(str(source))
-        self.inner = open_storage(root, **options)
-        self.thread_count = self.inner.thread_count
-        self.read_cost = self.inner.read_cost
+        super().__init__(str(source), open_storage(root, **options), "safetensors folder")
         self.rename = rename
         self._metadata: Metadata | None = None
 
@@ -253,30 +249,6 @@ class SafetensorsFolder(StoragePlugin):
         for key, (_, meta) in found.items():
             md.tensors[names[key]] = meta
         return md
-
-    # ---- the StoragePlugin interface: reads go to the folder --------------
-
-    def read_file(self, name: str) -> bytes:
-        if name == METADATA_FILE:
-            return encode(self.metadata)
-        return self.inner.read_file(name)
-
-    def read_ranges(self, name, ranges) -> None:
-        self.inner.read_ranges(name, ranges)
-
-    def read_requests(self, name, requests) -> None:
-        self.inner.read_requests(name, requests)
-
-    def exists(self, name: str) -> bool:
-        return name == METADATA_FILE or self.inner.exists(name)
-
-    def list_files(self) -> list[str]:
-        return self.inner.list_files()
-
-    def _read_only(self, *args, **kwargs):
-        raise CheckpointError(f"{self.checkpoint_id!r} is a safetensors folder, read-only here")
-
-    write_file = commit_file = delete = _read_only
 
 
 def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | None = None,
