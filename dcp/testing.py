@@ -43,7 +43,13 @@ import torch
 
 import dcp
 from dcp.core.metadata import METADATA_FILE
-from dcp.core.storage import StoragePlugin, installed_schemes, open_storage, scheme_of
+from dcp.core.storage import (
+    StoragePlugin,
+    checkpoint_uri,
+    installed_schemes,
+    open_storage,
+    scheme_of,
+)
 
 
 def _payload(size: int, seed: int) -> bytes:
@@ -93,10 +99,11 @@ class StorageConformance:
     # ---- registration ----------------------------------------------------
 
     def test_registered_by_entry_point(self, checkpoint_id, storage):
-        """``open_storage`` finds the plugin by the id's scheme."""
+        """``open_storage`` finds the plugin by the id's scheme and hands it
+        the id normalised (``file:///abs`` becomes ``/abs``)."""
         entry = installed_schemes()[scheme_of(checkpoint_id)]
         assert type(storage) is entry.load()
-        assert storage.checkpoint_id == checkpoint_id
+        assert storage.checkpoint_id == checkpoint_uri(checkpoint_id)
         assert storage.thread_count >= 1
 
     def test_picklable(self, storage):
