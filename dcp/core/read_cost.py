@@ -63,12 +63,6 @@ class ReadCost:
         through than to skip with a new request (bytes)."""
         return int(self.latency_s * self.bandwidth_bps)
 
-    def seconds(self, requests: int, nbytes: int) -> float:
-        """Estimated time of ``requests`` requests moving ``nbytes`` bytes,
-        with :attr:`concurrency` of them in flight."""
-        waves = -(-requests // self.concurrency)
-        return waves * self.latency_s + nbytes / self.bandwidth_bps
-
     def replace(self, overrides: Mapping[str, Any], where: str) -> ReadCost:
         """This cost with the fields of ``overrides`` (a ``storage_options``
         ``read_cost`` mapping) replaced.
