@@ -45,7 +45,7 @@ import zstandard
 from dcp.core.metadata import ChunkMeta, Metadata
 from dcp.core.metadata import decode as decode_metadata
 from dcp.core.metadata import encode as encode_metadata
-from dcp.core.plan_columns import ColumnarSavePlan, PlanColumns, columns_of
+from dcp.core.plan_columns import ColumnarSavePlan, PlanColumns, columns_of, cut_boxes
 from dcp.core.planner import SavePlan, TensorDecl, WriteItem
 from dcp.errors import CheckpointError
 
@@ -141,13 +141,7 @@ def _boxes(boxes: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
 def _unboxes(ndims: list[int], flat: list[int], what: str) -> list[tuple[int, ...]]:
     if sum(ndims) != len(flat) or (ndims and min(ndims) < 0):
         raise ValueError(f"{what}: ranks do not add up to the values")
-    if ndims and ndims.count(ndims[0]) == len(ndims) and ndims[0]:  # one rank: cut in C
-        return list(zip(*[iter(flat)] * ndims[0], strict=True))
-    out, p = [], 0
-    for k in ndims:
-        out.append(tuple(flat[p:p + k]))
-        p += k
-    return out
+    return cut_boxes(ndims, flat)
 
 
 def _keyed(strings: _Strings, values: dict[tuple[str, tuple[int, ...]], int]) -> dict:

@@ -45,12 +45,14 @@ class PlanColumns:
     def items(self) -> list[WriteItem]:
         """The items as objects."""
         names, ndims = self.names, self.ndim.tolist()
-        offsets, sizes = _cut(ndims, self.offsets.tolist()), _cut(ndims, self.sizes.tolist())
+        offsets = cut_boxes(ndims, self.offsets.tolist())
+        sizes = cut_boxes(ndims, self.sizes.tolist())
         return [WriteItem(names[f], o, z, b) for f, o, z, b in zip(
             self.fqn.tolist(), offsets, sizes, self.nbytes.tolist(), strict=True)]
 
 
-def _cut(ndims: list[int], flat: list[int]) -> list[tuple[int, ...]]:
+def cut_boxes(ndims: list[int], flat: list[int]) -> list[tuple[int, ...]]:
+    """``flat`` cut into consecutive tuples of the lengths ``ndims``."""
     if ndims and ndims.count(ndims[0]) == len(ndims) and ndims[0]:  # one rank: cut in C
         return list(zip(*[iter(flat)] * ndims[0], strict=True))
     out, p = [], 0

@@ -53,6 +53,7 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
 from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.interop.streaming import check_readable
 from dcp.orchestration.save import DATA_SUFFIX, commit_metadata, delete_stale
 
 #: Default memory budget of a conversion, per process (bytes).
@@ -234,21 +235,6 @@ def _read_into(storage: StoragePlugin, fqn: str, meta: TensorMeta, out: memoryvi
                 reqs[-1][1].append(view)  # adjacent in the source: one scatter request
             else:
                 reqs.append((source, [view]))
-
-
-def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
-    """Read the last byte of each chunk of ``fqn``, so that a short file (or
-    a crafted size) raises before its tensor's memory is allocated.  Raises
-    :class:`CorruptCheckpointError` naming the tensor, chunk and file."""
-    meta.check_coverage(fqn, storage.checkpoint_id)
-    for chunk in meta.chunks:
-        if chunk.nbytes:
-            try:
-                storage.read_ranges(chunk.file, chunk.last_byte())
-            except Exception as e:
-                raise CorruptCheckpointError(
-                    f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
-                    f"{chunk.file!r} failed: {e}") from e
 
 
 def _read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, memoryview]]

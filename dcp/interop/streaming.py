@@ -108,6 +108,21 @@ def renamed(fqns: Iterable[str], rename: dict[str, str] | None, where: str) -> d
     return out
 
 
+def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
+    """Read the last byte of each chunk of ``fqn``, so that a short file (or
+    a crafted size) raises before its tensor's memory is allocated.  Raises
+    :class:`CorruptCheckpointError` naming the tensor, chunk and file."""
+    meta.check_coverage(fqn, storage.checkpoint_id)
+    for chunk in meta.chunks:
+        if chunk.nbytes:
+            try:
+                storage.read_ranges(chunk.file, chunk.last_byte())
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
+                    f"{chunk.file!r} failed: {e}") from e
+
+
 def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Tensor:
     """The whole tensor ``fqn`` as a contiguous host tensor of ``meta.shape``
     and ``meta.dtype``, read from its chunks in ``storage``.
@@ -119,15 +134,7 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
             read fails (missing or short file), a checksum does not match, or
             the chunks do not cover the tensor.
     """
-    meta.check_coverage(fqn, storage.checkpoint_id)
-    for chunk in meta.chunks:  # every chunk's last byte first: no allocation for crafted sizes
-        if chunk.nbytes:
-            try:
-                storage.read_ranges(chunk.file, chunk.last_byte())
-            except Exception as e:
-                raise CorruptCheckpointError(
-                    f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
-                    f"{chunk.file!r} failed: {e}") from e
+    check_readable(storage, fqn, meta)  # no allocation for crafted sizes
     out = tensors.empty_host(meta.shape, meta.dtype)
     view = tensors.byte_view(out)
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
