@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -26,13 +27,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Interrupting(PosixStorage):
-    """Writes the first data file, then raises ``exc`` on the second."""
+    """Writes the first data file, then raises ``exc`` on the second (counted
+    under a lock, and only once the first is on disk, so that concurrent write
+    threads cannot all pass the check before any file exists)."""
 
     exc: type[BaseException] = KeyboardInterrupt
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._first_written = threading.Event()
+        self._data_calls = 0
+
     def write_file(self, name, buffers):
-        if name.startswith("r") and any(n.endswith(".data") for n in self.list_files()):
-            raise self.exc()
+        if name.startswith("r") and name.endswith(".data"):
+            with self._lock:
+                index = self._data_calls
+                self._data_calls += 1
+            if index > 0:
+                assert self._first_written.wait(30), "the first data file was never written"
+                raise self.exc()
+            super().write_file(name, buffers)
+            self._first_written.set()
+            return
         super().write_file(name, buffers)
 
 
