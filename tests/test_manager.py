@@ -330,8 +330,11 @@ class _Loader:
 def test_manager_per_rank_state_rng_and_data_parallel_degree_change_w2(ctx):
     """Saved under DP2: the same layout resumes each rank's loader and RNG
     streams exactly; under DP1 x TP2 (data_parallel=(0, 1)) a per-rank value
-    without a rule raises on every rank naming the key and both degrees, and
-    declared rules (SumOf, FromFirstRank) apply."""
+    without a rule raises on every rank naming the key and both degrees, so
+    do RNG states without ``rng_on_resize`` (before anything is loaded), and
+    declared rules apply: SumOf and FromFirstRank to per-rank values,
+    DeriveRNG (the same fresh streams on both ranks and on every resume) and
+    FromFirstRank (old rank 0's streams continued) to the RNG states."""
     import random
 
     import numpy as np
@@ -362,14 +365,40 @@ def test_manager_per_rank_state_rng_and_data_parallel_degree_change_w2(ctx):
             mgr.load_latest({"w": torch.zeros(4), "loader": dcp.PerRank(_Loader())})
         message = str(info.value)
         assert "'loader'" in message and "degree 2" in message and "has 1" in message, message
-        loader, count = _Loader(), {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert mgr.load_latest({
-                "w": torch.zeros(4), "loader": dcp.PerRank(loader, dcp.FromFirstRank()),
-                "count": dcp.PerRank(count, dcp.SumOf("samples"))}) == 1
-        assert loader.pos == 10 and count == {"samples": 7, "epoch": 2}
+        def ruled() -> dict:
+            return {"w": torch.zeros(4), "loader": dcp.PerRank(_Loader(), dcp.FromFirstRank()),
+                    "count": dcp.PerRank({}, dcp.SumOf("samples"))}
+
+        target = ruled()  # the RNG states have no rule: raises before loading anything
+        with pytest.raises(dcp.CheckpointError, match="2 ranks with data-parallel degree 2; "
+                           "this job has 2 ranks and degree 1.*rng_on_resize"):
+            mgr.load_latest(target)
+        assert torch.equal(target["w"], torch.zeros(4)) and target["loader"].value.pos == -1
         mgr.close()
+        old_rank0 = _shared(lambda d=draws: d)
+        derived = []
+        for rule in (dcp.manager.DeriveRNG(), dcp.manager.DeriveRNG(), dcp.FromFirstRank()):
+            mgr = dcp.CheckpointManager(root, storage_options=options, data_parallel=(0, 1),
+                                        rng_on_resize=rule)
+            target = ruled()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert mgr.load_latest(target) == 1
+            assert target["loader"].value.pos == 10
+            assert target["count"].value == {"samples": 7, "epoch": 2}
+            assert torch.equal(target["w"], torch.ones(4))
+            derived.append((torch.rand(5), random.random(), np.random.rand()))
+            mgr.close()
+        fresh, again, first = derived
+        # derived: the same on both ranks (one data-parallel rank), on every resume, and
+        # neither old rank's continued stream; FromFirstRank: old rank 0's continued stream
+        rank0_fresh = _shared(lambda f=fresh: f)
+        assert torch.equal(rank0_fresh[0], fresh[0]) and rank0_fresh[1:] == fresh[1:]
+        assert torch.equal(fresh[0], again[0]) and fresh[1:] == again[1:]
+        assert not torch.equal(fresh[0], draws[0]) and fresh[1] != draws[1]
+        assert fresh[2] != draws[2] and fresh[1] != old_rank0[1]
+        assert not torch.equal(fresh[0], old_rank0[0])
+        assert torch.equal(first[0], old_rank0[0]) and first[1:] == old_rank0[1:]
         _drop_shm(root)
 
 

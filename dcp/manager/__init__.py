@@ -13,7 +13,9 @@ from dcp.manager.policies import (
     OnPreemption,
     SpecificSteps,
 )
+from dcp.manager.rng import DeriveRNG
 
 __all__ = ["CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf",
+           "DeriveRNG",
            "AnyOf", "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN",
            "OnPreemption", "SpecificSteps"]

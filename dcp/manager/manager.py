@@ -28,7 +28,12 @@ The phases, in order, and where each decision lives:
   the pointer write; it then names the step before, still complete.  The
   step and its metadata are broadcast; every rank loads the state, its own
   per-rank record (or, after a change of the data-parallel degree, every
-  record, to apply :class:`PerRank`'s rule) and restores its RNG states.
+  record, to apply :class:`PerRank`'s rule) and restores its RNG states:
+  its own rank's when the layout is the same, else the first saved rank's
+  of the same data-parallel rank, and after a change of the data-parallel
+  degree those the declared ``rng_on_resize`` rule makes of every old
+  data-parallel rank's (:mod:`dcp.manager.rng`), or it raises before
+  loading anything.
 """
 
 from __future__ import annotations
@@ -194,7 +199,15 @@ class CheckpointManager:
             and preemption are always honoured.
         preservation: a preservation policy replacing ``keep_latest`` and
             ``keep_every`` (e.g. ``AnyOf(LatestN(2), BestN("loss", 3))``).
-        save_rng: save each rank's RNG states and restore them on load.
+        save_rng: save each rank's RNG states and restore them on load
+            (``False``: neither).
+        rng_on_resize: how a load after a change of the data-parallel
+            degree sets the RNG states: a rule ``(states of the old
+            data-parallel ranks, dp_rank, dp_degree) -> state``
+            (:class:`dcp.manager.DeriveRNG`: fresh streams derived from the
+            saved ones; :class:`dcp.FromFirstRank`: old data-parallel rank
+            0's everywhere); ``None`` makes such a load raise
+            :class:`CheckpointError` (with ``save_rng=True``).
         data_parallel: ``(dp_rank, dp_degree)`` of this rank (default: its
             rank and the world size), for per-rank state.
         exclude_from_loading: top-level keys of the state not loaded.
@@ -212,6 +225,7 @@ class CheckpointManager:
                  process_group=None, *, save_on_preemption: bool = True,
                  save_policy: SaveDecision | None = None,
                  preservation: Preservation | None = None, save_rng: bool = True,
+                 rng_on_resize: per_rank.ResizeRule | None = None,
                  data_parallel: tuple[int, int] | None = None,
                  exclude_from_loading: tuple[str, ...] = (),
                  initial_load_path: str | None = None, model_key: str = "model",
@@ -237,6 +251,7 @@ class CheckpointManager:
                                  *([EveryNSteps(keep_every)] if keep_every else []))
         self.preservation = preservation
         self.save_rng, self.exclude = save_rng, tuple(exclude_from_loading)
+        self.rng_on_resize = rng_on_resize
         self.initial_load_path, self.model_key = initial_load_path, model_key
         self.export_dtype = export_dtype
         self.save_on_preemption = save_on_preemption
@@ -274,6 +289,14 @@ class CheckpointManager:
     # ------------------------------------------------------------- queries
     def step_uri(self, step: int) -> str:
         return _step_uri(self.root, step)
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step whose async save is still persisting on this rank (not
+        yet committed nor failed), else ``None``."""
+        if self._in_flight is None or self._in_flight[2].is_set():
+            return None
+        return self._in_flight[0]
 
     def steps(self) -> list[int]:
         """The complete steps under the root, ascending (one listing)."""
@@ -495,6 +518,14 @@ class CheckpointManager:
                     f"{where}: per-rank state {key!r} was saved with data-parallel degree "
                     f"{saved_dp} and this job has {self.dp_degree}; give PerRank(..., "
                     f"on_resize=rule) a rule (e.g. dcp.manager.FromFirstRank()) to resume")
+        if resized and self.save_rng and self.rng_on_resize is None:
+            raise CheckpointError(
+                f"{where}: saved on {saved_world} ranks with data-parallel degree {saved_dp}; "
+                f"this job has {self.world_size} ranks and degree {self.dp_degree}, so no saved "
+                f"RNG streams are this rank's: pass CheckpointManager(rng_on_resize=rule), "
+                f"dcp.manager.DeriveRNG() (fresh streams derived from the saved ones) or "
+                f"dcp.manager.FromFirstRank() (old data-parallel rank 0's on every rank), or "
+                f"save_rng=False to leave the generators as they are")
         own = saved_world == self.world_size
         wanted = [self.rank] if own and not resized else list(range(saved_world))
         target = {k: v for k, v in state.items()
@@ -530,14 +561,34 @@ class CheckpointManager:
             value.put(value.on_resize([by_dp[d] for d in sorted(by_dp)], self.dp_rank,
                                       self.dp_degree))
         if self.save_rng:
-            source = records.get(self.rank) if own else mine
-            if source is not None and source.get("rng") is not None:
-                rng.restore(source["rng"], f"{where}, rank {self.rank}")
-            else:
-                warnings.warn(f"{where}: saved on {saved_world} ranks with data-parallel degree "
-                              f"{saved_dp}; this job has {self.world_size} and "
-                              f"{self.dp_degree}: RNG states not restored on rank {self.rank}",
-                              CheckpointWarning, stacklevel=3)
+            self._restore_rng(where, records, mine, resized)
+
+    def _restore_rng(self, where: str, records: dict[int, dict], mine: dict | None,
+                     resized: bool) -> None:
+        """This rank's RNG states from its data-parallel rank's record or,
+        after a change of the degree, from ``rng_on_resize`` over the first
+        record of every old data-parallel rank.  A step saved with
+        ``save_rng=False`` holds none: the generators are left as they are."""
+        if not resized:
+            if mine is None:
+                raise CheckpointError(f"{where}: no record of data-parallel rank "
+                                      f"{self.dp_rank} to restore rank {self.rank}'s RNG "
+                                      f"states from; pass save_rng=False to resume")
+            if mine.get("rng") is not None:
+                rng.restore(mine["rng"], f"{where}, rank {self.rank}")
+            return
+        by_dp: dict[int, Any] = {}
+        for _, rec in sorted(records.items()):
+            by_dp.setdefault(rec["dp_rank"], rec.get("rng"))
+        if all(s is None for s in by_dp.values()):
+            return
+        missing = sorted(d for d, s in by_dp.items() if s is None)
+        if missing:
+            raise CheckpointError(f"{where}: no RNG states saved for data-parallel rank(s) "
+                                  f"{missing}; pass save_rng=False to resume")
+        assert self.rng_on_resize is not None
+        rng.restore(self.rng_on_resize([by_dp[d] for d in sorted(by_dp)], self.dp_rank,
+                                       self.dp_degree), f"{where}, rank {self.rank}")
 
     def _initial_load(self, state: dict) -> None:
         path = str(self.initial_load_path)

@@ -9,11 +9,23 @@ as an open request; here it is part of every step the manager saves.
 The state is plain JSON (torch's byte states and NumPy's key array as
 base64), so it travels in the rank's per-rank record (:mod:`dcp.manager.per_rank`)
 and is never pickled.
+
+When the data-parallel degree changes, no old rank's streams are the new
+rank's: the ranks of one data-parallel rank share their streams (tensor-
+parallel peers must draw the same dropout masks on replicated activations),
+and the data-parallel ranks no longer correspond.  The manager then applies
+the rule the caller declares (``CheckpointManager(rng_on_resize=...)``, the
+signature of :data:`dcp.manager.per_rank.ResizeRule`) or raises, as for
+per-rank state: :class:`DeriveRNG` seeds fresh streams from the saved ones,
+:class:`dcp.FromFirstRank` continues old data-parallel rank 0's on every
+rank.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import random
 from typing import Any
 
@@ -39,23 +51,69 @@ def _accelerator() -> Any:
     return None
 
 
-def capture() -> dict:
-    """The state of every generator this rank draws from."""
-    version, internal, gauss = random.getstate()
+def _encode(python: tuple, torch_state: torch.Tensor, numpy_state: tuple | None,
+            accelerator: list[torch.Tensor] | None) -> dict:
+    version, internal, gauss = python
     state: dict[str, Any] = {"python": [version, list(internal), gauss],
-                             "torch": _b64(torch.get_rng_state().numpy().tobytes())}
+                             "torch": _b64(torch_state.numpy().tobytes())}
+    if numpy_state is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = numpy_state
+        state["numpy"] = [kind, _b64(np.asarray(keys, dtype=np.uint32).tobytes()), int(pos),
+                          int(has_gauss), float(cached)]
+    if accelerator is not None:
+        state["accelerator"] = [_b64(s.numpy().tobytes()) for s in accelerator]
+    return state
+
+
+def _numpy() -> Any:
     try:
         import numpy as np
     except ImportError:  # NumPy is optional
-        pass
-    else:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-        state["numpy"] = [kind, _b64(np.asarray(keys, dtype=np.uint32).tobytes()), int(pos),
-                          int(has_gauss), float(cached)]
+        return None
+    return np
+
+
+def capture() -> dict:
+    """The state of every generator this rank draws from."""
+    np = _numpy()
     accel = _accelerator()
-    if accel is not None:
-        state["accelerator"] = [_b64(s.numpy().tobytes()) for s in accel.get_rng_state_all()]
-    return state
+    return _encode(random.getstate(), torch.get_rng_state(),
+                   np.random.get_state() if np is not None else None,  # type: ignore[arg-type]
+                   accel.get_rng_state_all() if accel is not None else None)
+
+
+class DeriveRNG:
+    """A resize rule for the RNG states (``CheckpointManager(rng_on_resize=
+    DeriveRNG())``): every generator of new data-parallel rank ``d`` is
+    seeded from the SHA-256 of every old data-parallel rank's states, ``d``
+    and the new degree.  The streams are fresh (no old stream is continued
+    on two ranks, none is dropped silently: the rule is declared),
+    reproducible (resuming the same step on the same layout draws the
+    same), distinct across data-parallel ranks and shared by the ranks of
+    one data-parallel rank.  Python's 19,937-bit Mersenne Twister is seeded
+    with the whole 256-bit digest, NumPy's with it as 8 ``uint32`` words,
+    torch's CPU generator with its first 63 bits ``s`` and accelerator
+    device ``i`` with ``s + 1 + i``."""
+
+    def __call__(self, states: list[dict], dp_rank: int, dp_degree: int) -> dict:
+        digest = hashlib.sha256(json.dumps([states, dp_rank, dp_degree], sort_keys=True,
+                                           separators=(",", ":")).encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch's seed range
+        np = _numpy()
+        accel = _accelerator()
+        devices = None
+        if accel is not None:
+            devices = [torch.Generator(device=f"{accel.__name__.rsplit('.', 1)[-1]}:{i}")
+                       .manual_seed(seed + i + 1).get_state()
+                       for i in range(accel.device_count())]
+        numpy_state = None
+        if np is not None:
+            words = np.frombuffer(digest, dtype=np.uint32)
+            numpy_state = np.random.RandomState(words).get_state()
+        return _encode(random.Random(int.from_bytes(digest, "little")).getstate(),
+                       torch.Generator().manual_seed(seed).get_state(), numpy_state, devices)
 
 
 def restore(state: dict, where: str) -> None:
