@@ -21,6 +21,14 @@ checks the loaded values element-exact.  A load's read requests per rank are
 recorded where the system reports them (hyperdcp's ``LoadReport.requests``,
 the floor's ``preadv`` calls).
 
+With the floor, each load scenario also records ``memcpy``
+(:data:`~benchmarks.systems.PLACEMENT`): every rank copying the bytes its
+target holds once, from a warm buffer of its own, all ranks at once.  It is
+no load, but the placement every load pays besides reading (the floor
+places nothing): a load that reads every byte once and then places it costs
+about the floor's time plus this where the ranks share too few cores to
+overlap the two.
+
 Targets of the loads: hyperdcp within 1.2x the floor's time, and at most
 torch DCP's time (0.8x where hyperdcp reads fewer bytes than torch DCP).
 """
@@ -38,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .common import RunConfig, evict, launch, record, rotation, timed_collective
 from .report import IO_COLUMNS, Row, Sample, TargetResult
 from .state_dicts import StateDictSpec, is_correct, local_tensors, state_dict, zero
-from .systems import SYSTEMS, System
+from .systems import FLOOR, PLACEMENT, SYSTEMS, System
 
 FAMILY = "sync_save_load"
 COLUMNS = IO_COLUMNS
@@ -166,6 +174,9 @@ def _worker(
     destinations = {
         dst: state_dict(dst, spec, mesh, filled=False) for dst in {LOADS[s][1] for s in loads}
     }
+    # the placement measurement's sources: a warm private copy of each target
+    warm = {dst: [t.clone() for t in local_tensors(target)]
+            for dst, target in destinations.items()} if FLOOR in config.systems else {}
     _warm_up(systems, mesh, Path(workdir) / "warmup")
 
     samples: list[Sample] = []
@@ -195,11 +206,28 @@ def _worker(
                 floor = getattr(system, "floor", False)
                 ok = None if floor else is_correct(target, dst, spec)
                 record(samples, FAMILY, scenario, "load", system, repeat, m, needed, ok)
+            if FLOOR in config.systems:
+                m = timed_collective(_place, target, warm[dst])
+                record(samples, FAMILY, scenario, "load", Placement, repeat, m,
+                       sum(t.nbytes for t in local_tensors(target)), None)
 
         dist.barrier()
         if rank == 0:
             shutil.rmtree(repeat_dir, ignore_errors=True)
     return samples
+
+
+class Placement:
+    """The ``memcpy`` row's name in the samples (not a system)."""
+
+    name = PLACEMENT
+
+
+def _place(target, sources) -> None:
+    """Copy ``sources`` (warm tensors shaped like the target's local ones)
+    into the target's local tensors: the placement a load pays."""
+    for dest, source in zip(local_tensors(target), sources, strict=True):
+        dest.copy_(source)
 
 
 def _warm_up(systems: list[System], mesh: DeviceMesh, workdir: Path) -> None:

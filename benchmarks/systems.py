@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 BASELINE = "torch-dcp"
 FLOOR = "floor"
+#: the placement copy measured beside the floor's loads (not a system)
+PLACEMENT = "memcpy"
 
 
 @dataclass(frozen=True)
