@@ -1,6 +1,8 @@
 """Remapping at load (:mod:`dcp.interop.remap`): MiniLM into a fused-QKV
-layout sharded over 2 ranks, the inverse map on export giving the original
-bytes, stacked experts, and bad maps refused before anything is read."""
+layout sharded over 2 ranks (as rows, and transposed as columns), the
+inverse map on export giving the original bytes, stacked experts,
+transpositions of every dtype (0-d and empty included) through load and
+export, and bad maps refused before anything is read."""
 
 from __future__ import annotations
 
@@ -53,9 +55,129 @@ def test_minilm_into_fused_qkv_sharded_over_two_ranks(ctx):
     assert report.bytes_read <= LAYERS * rows * 385 * 4 * 1.01, report.bytes_read
 
 
+#: GPT-2-style fused attention: ``c_attn`` stores ``[in, 3 * out]``, the
+#: transpose of the concatenated q/k/v projections.
+QKV_T = {"{p}.attention.self.c_attn.weight": {
+    "concat": 0, "transpose": [1, 0], "sources": [
+        "{p}.attention.self.query.weight", "{p}.attention.self.key.weight",
+        "{p}.attention.self.value.weight"]}}
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_minilm_into_transposed_fused_qkv_column_sharded_over_two_ranks(ctx):
+    import torch.distributed as dist
+
+    cols = 1152 // 2
+    start = ctx.rank * cols
+    target = {f"encoder.layer.{i}.attention.self.c_attn.weight":
+              dcp.TensorShard(torch.zeros(384, cols), (384, 1152), (0, start))
+              for i in range(LAYERS)}
+    target["pooler.dense.weight"] = torch.zeros(384, 384)
+    report = load_safetensors(target, str(MODEL), remap=QKV_T, process_group=dist.group.WORLD,
+                              strict=False)
+    with safe_open(ORIGINAL, "pt") as f:
+        for i in range(LAYERS):
+            fqn = f"encoder.layer.{i}.attention.self.c_attn.weight"
+            expected = _qkv(f, i, "weight").T[:, start:start + cols]
+            assert_bitwise_equal(target[fqn].data, expected, fqn)
+        assert_bitwise_equal(target["pooler.dense.weight"], f.get_tensor("pooler.dense.weight"),
+                             "pooler")
+    # each rank read only the source rows landing in its columns, and the pooler
+    assert report.bytes_read <= (LAYERS * cols * 384 + 384 * 384) * 4 * 1.01, report.bytes_read
+    assert not any("staged" in k for k in report.unexpected_keys)
+    assert "encoder.layer.0.attention.self.query.bias" in report.unexpected_keys
+
+
+def test_transposed_fused_qkv_exports_back_to_the_original_bytes(tmp_path):
+    md = remap_metadata(SafetensorsFolder(str(MODEL)).metadata, QKV_T)
+    targets = md.targets()
+    state = {fqn: torch.zeros(m.shape, dtype=getattr(torch, m.dtype))
+             for fqn, m in targets.items()}
+    assert state["encoder.layer.3.attention.self.c_attn.weight"].shape == (384, 1152)
+    load_safetensors(state, str(MODEL), remap=QKV_T)
+    dcp.save(state, str(tmp_path / "fused"))
+    back = inverse(QKV_T, dcp.read_metadata(str(tmp_path / "fused")))
+    assert back["encoder.layer.0.attention.self.key.weight"] == {
+        "slice": 1, "source": "encoder.layer.0.attention.self.c_attn.weight", "start": 384,
+        "stop": 768, "transpose": [1, 0]}
+    checkpoint_to_safetensors(str(tmp_path / "fused"), str(tmp_path / "hf"), remap=back,
+                              buffer_bytes=8 << 20)
+    with safe_open(ORIGINAL, "pt") as f, safe_open(tmp_path / "hf" / "model.safetensors",
+                                                   "pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
+        for k in f.keys():
+            assert_bitwise_equal(g.get_tensor(k), f.get_tensor(k), k)
+
+
+#: Every kind of staged rule: a plain transposition, a 3-D permutation, a
+#: transposed concatenation, a 0-d and an empty tensor, slices across a
+#: dimension the bytes cannot follow.
+TRANSPOSED = {
+    "t.w": {"transpose": [1, 0], "source": "s.w"},
+    "t.x": {"transpose": [2, 0, 1], "source": "s.x"},
+    "n.qkv": {"concat": 0, "transpose": [1, 0], "sources": ["s.q", "s.k", "s.v"]},
+    "t.scalar": {"transpose": [], "source": "s.scalar"},
+    "t.empty": {"transpose": [1, 0], "source": "s.empty"},
+}
+SLICED = {
+    "t.left": {"slice": 1, "source": "s.w", "start": 0, "stop": 1},
+    "t.right": {"slice": 1, "source": "s.w", "start": 1, "stop": 4, "transpose": [1, 0]},
+}
+
+
+def _sources(dtype) -> dict[str, torch.Tensor]:
+    shapes = {"s.w": (6, 4), "s.x": (2, 3, 5), "s.q": (5, 4), "s.k": (5, 4), "s.v": (5, 4),
+              "s.scalar": (), "s.empty": (0, 3)}
+    return {n: random_tensor(shape, dtype, seed=k) for k, (n, shape) in enumerate(shapes.items())}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.bool, torch.float8_e4m3fn, torch.uint8])
+def test_transpositions_every_dtype_sharded_and_exported_back(tmp_path, dtype):
+    src = _sources(dtype)
+    save_file(src, tmp_path / "model.safetensors")
+    full = {"t.w": src["s.w"].T, "t.x": src["s.x"].permute(2, 0, 1),
+            "n.qkv": torch.cat([src["s.q"], src["s.k"], src["s.v"]]).T,
+            "t.scalar": src["s.scalar"], "t.empty": src["s.empty"].T}
+    # boxes of each target: rows 1-2 of t.w (columns of s.w), a corner of t.x, columns 3-10 of
+    # t.qkv (across q, k and v)
+    target = {"t.w": dcp.TensorShard(torch.zeros(2, 6, dtype=dtype), (4, 6), (1, 0)),
+              "t.x": dcp.TensorShard(torch.zeros(3, 2, 2, dtype=dtype), (5, 2, 3), (2, 0, 1)),
+              "n": {"qkv": dcp.TensorShard(torch.zeros(4, 8, dtype=dtype), (4, 15),
+                                                  (0, 3))},
+              "t.scalar": torch.zeros((), dtype=dtype), "t.empty": torch.zeros(3, 0, dtype=dtype)}
+    state = {k: v for k, v in target.items()}
+    report = load_safetensors(target, str(tmp_path), remap=TRANSPOSED)
+    assert list(target) == list(state) and target["n"]["qkv"] is state["n"]["qkv"]
+    assert_bitwise_equal(target["t.w"].data, full["t.w"][1:3], "t.w")
+    assert_bitwise_equal(target["t.x"].data, full["t.x"][2:5, :, 1:3], "t.x")
+    assert_bitwise_equal(target["n"]["qkv"].data, full["n.qkv"][:, 3:11], "n.qkv")
+    assert_bitwise_equal(target["t.scalar"], full["t.scalar"], "t.scalar")
+    assert report.unexpected_keys == [] and report.missing_keys == []
+    # slices across dim 1 (staged), one transposed
+    cut = {"t.left": torch.zeros(6, 1, dtype=dtype), "t.right": torch.zeros(3, 6, dtype=dtype)}
+    load_safetensors(cut, str(tmp_path), remap=SLICED, strict=False)
+    assert_bitwise_equal(cut["t.left"], src["s.w"][:, :1], "t.left")
+    assert_bitwise_equal(cut["t.right"], src["s.w"][:, 1:].T, "t.right")
+    # the whole targets saved as a checkpoint export back to the original names and bytes
+    dcp.save({k: v.contiguous() for k, v in full.items()}, str(tmp_path / "ckpt"))
+    back = inverse(TRANSPOSED, dcp.read_metadata(str(tmp_path / "ckpt")))
+    checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "out"), remap=back)
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(src)
+        for k, v in src.items():
+            assert_bitwise_equal(f.get_tensor(k), v, k)
+    if dtype.is_floating_point and dtype != torch.float8_e4m3fn:  # and cast on the way
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "cast"), remap=back,
+                                  dtype="bfloat16")
+        with safe_open(tmp_path / "cast" / "model.safetensors", "pt") as f:
+            for k, v in src.items():
+                assert_bitwise_equal(f.get_tensor(k), v.bfloat16(), k)
+
+
 def _fused_state() -> dict[str, torch.Tensor]:
     """MiniLM's whole state dict in the fused layout, read through the map."""
-    md = remap_metadata(SafetensorsFolder(str(MODEL)).metadata, QKV)
+    md = remap_metadata(SafetensorsFolder(str(MODEL)).metadata, QKV).metadata
     state = {fqn: torch.zeros(m.shape, dtype=getattr(torch, m.dtype))
              for fqn, m in md.tensors.items()}
     load_safetensors(state, str(MODEL), remap=QKV)
@@ -145,10 +267,24 @@ def _md(**shapes) -> dcp.Metadata:
       "b": {"slice": 0, "source": "q", "start": 2, "stop": 4}}, r"gap \[1:2\].*'b'"),
     ({"a": {"slice": 0, "source": "q", "start": 0, "stop": 9}}, r"'a'.*\[0:9\].*does not fit"),
     ({"a": {"slice": 1, "source": "q", "start": 0, "stop": 1},
-      "b": {"slice": 1, "source": "q", "start": 1, "stop": 2}}, r"'a'.*without a copy"),
-    ({"a": {"transpose": [1, 0], "source": "q"}}, r"'a' must have exactly one of"),
+      "b": {"slice": 0, "source": "q", "start": 1, "stop": 2}}, r"'q' is sliced along several"),
+    ({"a": {"concat": 0, "slice": 0, "sources": ["q", "k"]}}, r"'a' must have exactly one of"),
+    ({"a": {"transpose": [1, 1], "source": "q"}}, r"'a' \(transpose of 'q'\).*\[1, 1\] is not"),
+    ({"a": {"transpose": [0, 1, 2], "source": "q"}}, r"'a'.*not a permutation of the 2"),
+    ({"a": {"concat": 1, "transpose": [1], "sources": ["q", "k"]}}, r"'a' \(concat of 'q', 'k'\)"),
+    ({"a": {"transpose": [1, 0], "sources": ["q", "k"]}}, r"'a'.*a transpose takes one source"),
 ])
 def test_bad_maps_raise_before_reading_naming_target_and_sources(mapping, message):
     md = _md(q=(4, 2), k=(4, 2), v=(4, 2), w=(4, 3))
     with pytest.raises(dcp.CheckpointError, match=message):
         remap_metadata(md, mapping)
+
+
+def test_staged_target_of_another_shape_or_in_a_list_raises_naming_it(tmp_path):
+    save_file({"s.w": torch.ones(6, 4)}, tmp_path / "model.safetensors")
+    rule = {"t.w": {"transpose": [1, 0], "source": "s.w"}}
+    with pytest.raises(dcp.CheckpointError, match=r"'t.w'.*shape \[6, 4\].*gives \[4, 6\]"):
+        load_safetensors({"t": {"w": torch.zeros(6, 4)}}, str(tmp_path), remap=rule)
+    with pytest.raises(dcp.CheckpointError, match=r"'t.w.0'.*must sit in a dict"):
+        load_safetensors({"t": {"w": [torch.zeros(4, 6)]}}, str(tmp_path),
+                         remap={"t.w.0": rule["t.w"]})

@@ -38,6 +38,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -237,7 +238,7 @@ def _read_into(storage: StoragePlugin, fqn: str, meta: TensorMeta, out: memoryvi
                 reqs.append((source, [view]))
 
 
-def _read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, memoryview]]
+def read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, memoryview]]
                   ) -> None:
     """Read each ``(fqn, meta, out)`` whole into ``out``; the source's chunk
     checksums are verified where it records them.  Raises
@@ -310,7 +311,7 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
             buf = aligned_bytes(task.size)
             items = [(p.fqn, p.meta, buf[p.position:p.position + p.meta.nbytes])
                      for p in task.pieces]
-            _read_tensors(source, items)
+            read_tensors(source, items)
             crcs = [checksum(out) for _, _, out in items]
             name = name_of(task)
             with lock:
@@ -367,9 +368,23 @@ class OutputFile:
     tensors: list[tuple[str, TensorMeta, str | None]]
 
 
+class Reader(Protocol):
+    """Reads the tensors an export cannot read from their chunks (a
+    remapped view's staged targets)."""
+
+    def reads_whole(self, fqn: str) -> bool:
+        """Whether it reads ``fqn``."""
+
+    def read_whole(self, fqn: str, out: memoryview) -> None:
+        """Fill ``out`` with the row-major bytes of the whole ``fqn``."""
+
+    def scratch_bytes(self, fqn: str) -> int:
+        """Memory (bytes) :meth:`read_whole` holds besides ``out``."""
+
+
 class _ReadAhead(Sequence):
     """The buffers of one :class:`OutputFile` for ``write_file``: the
-    header, then each tensor, read (and cast) by ``pool`` ahead of the
+    header, then each tensor, read by ``read`` (and cast) by ``pool`` ahead of the
     writer while the bytes in flight fit ``budget``, shared by every file
     written at once.  A buffer's bytes leave the budget when the writer asks
     for the next one.  Only a file holding nothing of the budget waits for
@@ -377,9 +392,11 @@ class _ReadAhead(Sequence):
     tensor larger than the budget passes alone."""
 
     def __init__(self, out: OutputFile, storage: StoragePlugin, pool: ThreadPoolExecutor,
-                 budget: ByteBudget, on_bytes: Callable[[int], None] | None) -> None:
+                 budget: ByteBudget, on_bytes: Callable[[int], None] | None,
+                 read: Reader | None) -> None:
         self.out = out
         self.storage = storage
+        self.read = read
         self.pool = pool
         self.budget = budget
         self.held = 0
@@ -393,17 +410,23 @@ class _ReadAhead(Sequence):
         return 1 + len(self.out.tensors)
 
     def _size(self, i: int) -> int:
-        """Bytes tensor ``i`` holds: read, plus its cast copy."""
-        _, meta, cast = self.out.tensors[i]
+        """Bytes tensor ``i`` holds: read, its reader's scratch, its cast copy."""
+        fqn, meta, cast = self.out.tensors[i]
+        size = meta.nbytes
+        if self.read is not None and self.read.reads_whole(fqn):
+            size += self.read.scratch_bytes(fqn)
         if cast is None or cast == meta.dtype:
-            return meta.nbytes
-        return meta.nbytes + meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast]
+            return size
+        return size + meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast]
 
     def _fetch(self, i: int) -> memoryview:
         fqn, meta, cast = self.out.tensors[i]
-        check_readable(self.storage, fqn, meta)
         raw = aligned_bytes(meta.nbytes)
-        _read_tensors(self.storage, [(fqn, meta, raw)])
+        if self.read is not None and self.read.reads_whole(fqn):
+            self.read.read_whole(fqn, raw)
+        else:
+            check_readable(self.storage, fqn, meta)
+            read_tensors(self.storage, [(fqn, meta, raw)])
         if cast is None or cast == meta.dtype or not meta.nbytes:
             return raw
         out = aligned_bytes(meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast])
@@ -457,13 +480,15 @@ class _ReadAhead(Sequence):
 def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StoragePlugin, *,
                  buffer_bytes: int = DEFAULT_BUDGET_BYTES, process_group=None,
                  finish: Callable[[], list[str]] = lambda: [],
-                 on_bytes: Callable[[int], None] | None = None) -> list[str]:
+                 on_bytes: Callable[[int], None] | None = None,
+                 read: Reader | None = None) -> list[str]:
     """Write ``files`` into ``dest``, tensors read from ``storage``;
     collective over ``process_group`` when one is passed (file ``k``
     on rank ``k % world_size``).  Then ``finish`` runs on rank 0 (writing an
     index, say) and returns the names it wrote.  Returns every name
     written, on every rank.  On a failure anywhere every rank deletes what
-    it wrote and raises :class:`CheckpointError` naming the file."""
+    it wrote and raises :class:`CheckpointError` naming the file.  ``read``
+    reads the tensors it handles instead of their chunks."""
     ranks = Ranks.of(process_group)
     mine = [f for k, f in enumerate(files) if ranks.mine(k)]
     writers = max(1, min(dest.thread_count, len(mine)))
@@ -474,7 +499,7 @@ def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StorageP
     def write_one(out: OutputFile, pool: ThreadPoolExecutor) -> None:
         with lock:
             written.append(out.name)
-        buffers = _ReadAhead(out, storage, pool, budget, on_bytes)
+        buffers = _ReadAhead(out, storage, pool, budget, on_bytes, read)
         try:
             dest.write_file(out.name, buffers)
         except CheckpointError:

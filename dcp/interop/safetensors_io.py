@@ -56,7 +56,7 @@ from dcp.interop.parallel import (
     export_files,
     import_checkpoint,
 )
-from dcp.interop.remap import RemappedView
+from dcp.interop.remap import RemappedView, load_through
 from dcp.interop.streaming import ExportResult, progress_bar, renamed
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import LoadReport, load, read_metadata
@@ -284,12 +284,14 @@ def load_safetensors(state_dict: dict, source: str, *, rename: dict[str, str] | 
         CorruptCheckpointError: malformed header or index, short file.
         CheckpointError: shape/dtype mismatch, missing keys, bad rename map.
     """
-    view: StoragePlugin = SafetensorsFolder(source, rename=rename, **(storage_options or {}))
+    folder = SafetensorsFolder(source, rename=rename, **(storage_options or {}))
+    options = dict(strict=strict, allow_dtype_cast=allow_dtype_cast, planner=planner,
+                   process_group=process_group,
+                   verify="none")  # nothing to verify against: read only the bytes needed
     if remap is not None:
-        view = RemappedView(view, view.metadata, remap)  # type: ignore[attr-defined]
-    return load(state_dict, str(source), storage=view, strict=strict,
-                allow_dtype_cast=allow_dtype_cast, planner=planner, process_group=process_group,
-                verify="none")  # nothing to verify against: read only the bytes needed
+        return load_through(RemappedView(folder, folder.metadata, remap), state_dict,
+                            str(source), **options)
+    return load(state_dict, str(source), storage=folder, **options)
 
 
 def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
@@ -455,9 +457,11 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
         raise CheckpointError(f"safetensors metadata must map str to str, got {metadata!r}")
     storage: StoragePlugin = open_storage(str(checkpoint_id), **(storage_options or {}))
     md = read_metadata(str(checkpoint_id), storage=storage)
+    view = None
     if remap is not None:
         view = RemappedView(storage, md, remap)
-        storage, md = view, view.metadata
+        storage = view
+        md = Metadata(md.save_id, md.world_size, view.remapped.targets(), md.objects)
     where = repr(str(checkpoint_id))
     stripped, casts = _export_selection(md, "model." if model_only and not prefix else prefix,
                                         dtype, where)
@@ -504,7 +508,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     with progress_bar(result.nbytes, "export", progress) as bar:
         result.files = export_files(storage, outputs, dest, buffer_bytes=buffer_bytes,
                                     process_group=process_group, finish=write_index,
-                                    on_bytes=bar.update)
+                                    on_bytes=bar.update, read=view)
     if overwrite and ranks.rank == 0:
         dest.delete(set(old) - set(result.files))
     return result
