@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import signal
 import threading
@@ -219,7 +220,7 @@ class CheckpointManager:
         blocking_staging, timeout: as for :func:`dcp.async_save`.
     """
 
-    def __init__(self, root: str, interval: int = 500, keep_latest: int = 3,
+    def __init__(self, root: str | os.PathLike[str], interval: int = 500, keep_latest: int = 3,
                  keep_every: int | None = None, async_save: bool = True,
                  storage_options: dict | None = None, coordination: str = "gloo",
                  process_group=None, *, save_on_preemption: bool = True,
