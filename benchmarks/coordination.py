@@ -42,7 +42,7 @@ from pathlib import Path
 
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase, PerRank
-from dcp.coordination.file_flag import FileCoordinator, answer_poll_cap, poll_delays
+from dcp.coordination.file_flag import FileCoordinator, answer_first_poll, poll_times
 from dcp.core.metadata import METADATA_FILE
 from dcp.core.planner import SavePlan
 from dcp.orchestration.save import WriteResult, build_metadata, commit_metadata
@@ -73,16 +73,16 @@ def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult]]:
     return plans, simulated_write_results(plans, final)
 
 
-def _detected(start: float, ready: float, cap: float) -> tuple[float, int]:
+def _detected(start: float, ready: float, first: float) -> tuple[float, int]:
     """A rank polling from ``start`` (its part written) for an answer
     published at ``ready``: the seconds it notices late, and its polls that
     miss (the poll schedule of :class:`FileCoordinator`)."""
-    t, misses = start, 0
-    delays = poll_delays(cap)
-    while t < ready:
+    misses = 0
+    for at in poll_times(first):
+        if start + at >= ready:
+            return start + at - ready, misses
         misses += 1
-        t += next(delays)
-    return t - ready, misses
+    raise AssertionError("poll_times is endless")
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
         return md
 
     sample = sorted({1, ranks - 1, *range(1, ranks, max(1, ranks // ANSWER_SAMPLE))})
-    cap = answer_poll_cap(ranks)
+    first = answer_first_poll(ranks)
     with _store(store, scratch) as storage:
         coords = [FileCoordinator(storage, "bench", r, ranks, TIMEOUT_S) for r in range(ranks)]
         rank_requests = 0.0
@@ -164,7 +164,7 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
             late, misses, answers = [], [], []
             for r in sample:
                 answers.append(timed(coords[r]._reply, number, step, False, None))
-                wait, missed = _detected(inputs[r], ready, cap)
+                wait, missed = _detected(inputs[r], ready, first)
                 late.append(wait + answers[-1])
                 misses.append(missed)
             made = [sum(coords[r].requests.values()) - before[r] for r in sample]

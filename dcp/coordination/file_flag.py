@@ -3,8 +3,11 @@ checkpoint's own storage, with no communicator at all.
 
 Built for the clusters that choose it: thousands of ranks on a shared
 filesystem or an object store, where object collectives time out.  Per step
-the coordinator makes O(N) storage requests and every other rank O(1) (plus
-its polls, which back off), and nobody lists a directory.
+the coordinator makes O(N) storage requests (N reads and one write when the
+ranks arrive together; a sweep for late ones reads only those still
+missing), every other rank O(1) (a write, two ranged reads, a delete, and
+polls that back off geometrically: bounded by the timeout, not by N or the
+step's time), and nobody lists a directory.
 
 One step of the save with key ``K`` (names relative to the checkpoint root;
 ``NNN`` is the step number):
@@ -29,11 +32,20 @@ One step of the save with key ``K`` (names relative to the checkpoint root;
   never another rank's part.  A missing file is a poll; a damaged entry or
   part is never decoded.
 
-Payloads are :mod:`dcp.coordination.wire`'s versioned, zstd-compressed,
-columnar JSON, never pickles.  Polls start 1 ms apart and double: up to
-50 ms for the coordinator's inputs, and, for an answer, up to
-:func:`answer_poll_cap` (longer at larger worlds, whose steps take longer),
-so a rank's polls per step stay few at any scale.
+Payloads are :mod:`dcp.coordination.wire`'s versioned, zstd-compressed
+columns, never pickles.
+
+Polls (:func:`poll_times`): a wait polls at its start, then after a first
+pause, then each time :data:`POLL_LATENESS` (25%) later than the time before,
+measured from the start of the wait.  So what a rank waits for is noticed at
+most 25% of its wait late, and a wait of ``T`` seconds polls about ``2 +
+log(T / first) / log(1.25)`` times whatever the world size and the storage's
+speed: at most 62 polls in a 600 s wait from a 1 ms first pause, about 23
+for a step a hundred times the first pause.  The first pause of a rank waiting for an
+answer grows with the world (:func:`answer_first_poll`: the coordinator
+takes at least about 0.1 ms per rank), that of the coordinator's sweeps of
+the missing inputs is 1 ms; a sweep reads only the inputs still missing, in
+batches of several per read-pool task.
 
 Cleanup: a rank deletes its input once it has read the answer;
 :meth:`FileCoordinator.close` on the coordinator deletes the answers once
@@ -52,7 +64,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -63,7 +75,9 @@ from dcp.core.storage import StoragePlugin
 from dcp.errors import CheckpointError
 
 EXCHANGE_PREFIX = ".exchange."
-_FIRST_DELAY, _MAX_DELAY = 0.001, 0.05  # seconds between polls
+#: The most a poll notices late what it waits for, as a fraction of the wait.
+POLL_LATENESS = 0.25
+_FIRST_POLL = 0.001  # seconds: the coordinator's first pause
 #: The most concurrent reads of the coordinator.
 MAX_READ_POOL = 64
 
@@ -75,20 +89,35 @@ _ENTRY = struct.Struct("<4sHHIQIII")
 ENTRY_BYTES = _ENTRY.size  # 32
 
 
-def poll_delays(cap: float) -> Iterator[float]:
-    """Seconds between successive polls: 1 ms, doubling up to ``cap``."""
-    delay = _FIRST_DELAY
+def poll_times(first: float) -> Iterator[float]:
+    """Seconds after the start of a wait at which to poll: 0, ``first``,
+    then each :data:`POLL_LATENESS` later than the one before."""
+    yield 0.0
+    at = first
     while True:
-        yield delay
-        delay = min(delay * 2, cap)
+        yield at
+        at *= 1 + POLL_LATENESS
 
 
-def answer_poll_cap(world_size: int) -> float:
-    """The longest pause between a rank's polls for an answer: 50 ms up to
-    500 ranks, then 0.1 ms per rank up to 1 s (a coordinator's step costs
-    about a millisecond per rank, so a rank polls a bounded number of times
-    and detects the answer within a few percent of the step)."""
-    return max(_MAX_DELAY, min(1.0, world_size * 1e-4))
+def answer_first_poll(world_size: int) -> float:
+    """The first pause of a rank polling for an answer (seconds): 50 us per
+    rank, at least 1 ms (the coordinator's step takes about ten times that:
+    it reads, decodes and answers each rank)."""
+    return max(_FIRST_POLL, world_size * 5e-5)
+
+
+def wait_for(poll: Callable[[], Any], first: float, timeout: float) -> Any:
+    """``poll()`` at :func:`poll_times` until it returns something other
+    than ``None`` (returned) or ``timeout`` seconds have passed (``None``)."""
+    start, times = time.monotonic(), poll_times(first)
+    while True:
+        at = min(next(times), timeout)
+        pause = start + at - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        value = poll()
+        if value is not None or at >= timeout:
+            return value
 
 
 def pack_answer(parts: list[bytes], shared: bool, world_size: int) -> bytes:
@@ -164,8 +193,8 @@ class FileCoordinator(CoordinatorBase):
     def _name(self, step: int, what: str) -> str:
         return f"{EXCHANGE_PREFIX}{self.key}.{step:03d}.{what}"
 
-    def _read_input(self, name: str) -> bytes | None:
-        return self.storage.read_exchange(name)
+    def _read_inputs(self, names: list[str]) -> list[bytes | None]:
+        return [self.storage.read_exchange(name) for name in names]
 
     def _gather(self, step, phase, obj):
         if not self.is_coordinator:
@@ -177,13 +206,17 @@ class FileCoordinator(CoordinatorBase):
         names = {r: self._name(step, f"in.r{r:05d}") for r in range(1, self.world_size)}
         parts: dict[int, Any] = {0: obj}
         pending = list(names)
-        deadline = time.monotonic() + self.timeout
-        delays = poll_delays(_MAX_DELAY)
-        with ThreadPoolExecutor(self.read_threads) as pool:
-            while True:
-                # decoded here as they arrive, while the pool reads on
-                payloads = pool.map(self._read_input, [names[r] for r in pending])
-                for rank, payload in zip(pending, payloads, strict=True):
+
+        def sweep() -> bool | None:
+            """Read the missing inputs; ``True`` once none is missing."""
+            nonlocal pending
+            # a few batches per reader: few tasks, and decoded here as they
+            # arrive while the pool reads on
+            size = max(1, -(-len(pending) // (4 * self.read_threads)))
+            batches = [pending[i:i + size] for i in range(0, len(pending), size)]
+            for batch, payloads in zip(batches, pool.map(
+                    self._read_inputs, [[names[r] for r in b] for b in batches]), strict=True):
+                for rank, payload in zip(batch, payloads, strict=True):
                     if payload is None:
                         self.requests["miss"] += 1
                         continue
@@ -192,10 +225,11 @@ class FileCoordinator(CoordinatorBase):
                         parts[rank] = wire.decode(payload, names[rank])
                     except CheckpointError as e:
                         parts[rank] = (None, failure_of(rank, str(e)))
-                pending = [r for r in pending if r not in parts]
-                if not pending or time.monotonic() > deadline:
-                    break
-                time.sleep(next(delays))
+            pending = [r for r in pending if r not in parts]
+            return None if pending else True
+
+        with ThreadPoolExecutor(self.read_threads) as pool:
+            wait_for(sweep, _FIRST_POLL, self.timeout)
         self._last_inputs = [names[r] for r in names if r not in pending]
         for rank in pending:
             parts[rank] = (None, failure_of(rank, (
@@ -215,18 +249,15 @@ class FileCoordinator(CoordinatorBase):
             self.requests["write"] += 1
             self._answers.append(name)
             return value if shared else value[0]
-        deadline = time.monotonic() + 2 * self.timeout
-        delays = poll_delays(answer_poll_cap(self.world_size))
-        while (part := read_part(self.storage, name, self.rank, self.world_size,
-                                 self.requests)) is None:
-            if time.monotonic() > deadline:
-                self._delete_consumed()
-                raise CheckpointError(
-                    f"{phase}: rank {self.rank} got no answer from the coordinator (rank 0) "
-                    f"within {2 * self.timeout:g} s: no complete {name!r} in "
-                    f"{self.storage.checkpoint_id!r}")
-            time.sleep(next(delays))
+        part = wait_for(lambda: read_part(self.storage, name, self.rank, self.world_size,
+                                          self.requests),
+                        answer_first_poll(self.world_size), 2 * self.timeout)
         self._delete_consumed()
+        if part is None:
+            raise CheckpointError(
+                f"{phase}: rank {self.rank} got no answer from the coordinator (rank 0) "
+                f"within {2 * self.timeout:g} s: no complete {name!r} in "
+                f"{self.storage.checkpoint_id!r}")
         return wire.decode(part, name)
 
     def _delete_consumed(self) -> None:
@@ -241,15 +272,18 @@ class FileCoordinator(CoordinatorBase):
         ``timeout`` seconds; other ranks: nothing to do."""
         if not self.is_coordinator:
             return
-        deadline = time.monotonic() + self.timeout
-        delays = poll_delays(_MAX_DELAY)
         pending = self._last_inputs
-        with ThreadPoolExecutor(self.read_threads) as pool:
-            while pending and time.monotonic() < deadline:
-                time.sleep(next(delays))
-                self.requests["exists"] += len(pending)
-                pending = [n for n, there in zip(pending, pool.map(self.storage.exists, pending),
-                                                         strict=True) if there]
+
+        def gone() -> bool | None:
+            nonlocal pending
+            self.requests["exists"] += len(pending)
+            pending = [n for n, there in zip(pending, pool.map(self.storage.exists, pending),
+                                             strict=True) if there]
+            return None if pending else True
+
+        if pending:
+            with ThreadPoolExecutor(self.read_threads) as pool:
+                wait_for(gone, _FIRST_POLL, self.timeout)
         if self._answers:
             self.storage.delete(self._answers)
             self.requests["delete"] += 1

@@ -16,7 +16,10 @@ on every rank.  Only planners whose ``cacheable`` is true take part
 A save with the cache runs as *one* step when every rank hits: each rank
 looks its key up locally (no communication), checks that the target may be
 written, writes the chunks its cached final plan gives it, and sends the
-coordinator its key, its entry's token and its write results; the
+coordinator its key, its entry's token and its write results — only what
+the coordinator's copy of every rank's plans lacks
+(:class:`~dcp.coordination.wire.CachedWriteResult`: per chunk its plan row,
+file, byte offset and checksum; fingerprints by plan row); the
 coordinator checks that every key is the one its own entry was planned with
 and every token is its entry's (so no rank writes by a plan made for
 another structure of the others), and commits.  A rank whose part is the
@@ -46,6 +49,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from dcp.coordination import wire
 from dcp.coordination.collectives import PerRank
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl
@@ -69,10 +73,11 @@ def structure_key(chunks: dict, world_size: int, rank: int, planner: SavePlanner
 
 @dataclass
 class CacheEntry:
-    """One cached plan: this rank's ``key`` and final ``plan``, the
-    ``token`` of the exchange that made it and how many ``saves`` reused
-    it; on the coordinator also every rank's key and the tensor
-    declarations."""
+    """One cached plan: this rank's ``key``, final ``plan`` and ``local``
+    plan (what it offered), the ``token`` of the exchange that made it and
+    how many ``saves`` reused it; on the coordinator also every rank's key,
+    the tensor declarations, and every rank's final and local plans
+    (``plans``, ``locals``: what a cached save's write results refer to)."""
 
     key: str
     plan: SavePlan
@@ -80,6 +85,9 @@ class CacheEntry:
     saves: int = 0
     keys: list[str] | None = None
     decls: dict[str, TensorDecl] | None = None
+    local: SavePlan | None = None
+    plans: list[SavePlan] | None = None
+    locals: list[SavePlan] | None = None
 
     def next_id(self) -> str:
         """The id of the next save that reuses this plan."""
@@ -144,8 +152,12 @@ class PlanCache:
         def write(entry: CacheEntry) -> tuple:
             name = save_id or entry.next_id()
             mine.update(planning_s=time.perf_counter() - start, used=entry)
-            mine["result"] = job.write(name, entry.plan)
-            return (entry.token, name), mine["result"]
+            result = job.write(name, entry.plan)
+            if entry.local is not None:  # only what the coordinator's copy of the plan lacks
+                result = wire.relative_result(result, entry.plan, entry.local,
+                                              coord.rank) or result
+            mine["result"] = result
+            return (entry.token, name), result
 
         def local():
             offered = job.offered()
@@ -153,7 +165,8 @@ class PlanCache:
             found = [e for (k, _), e in self.entries.items() if k == key] if cacheable else []
             mine.update(key=key, offered=offered, found=found)
             if not found:
-                return "plan", key, None, job.planner.create_local_plan(offered)
+                mine["local"] = job.planner.create_local_plan(offered)
+                return "plan", key, None, mine["local"]
             if len(found) > 1:  # this part belongs to several structures: the coordinator picks
                 return "choose", key, [e.token for e in found], None
             job.check_target()  # before writing: a refusal costs no I/O
@@ -161,8 +174,17 @@ class PlanCache:
 
         def plan_all(plans: list[SavePlan]) -> PerRank:
             final = job.plan_all(plans, save_id)
-            mine.update(decls=dict(job.decls))
+            mine.update(decls=dict(job.decls), plans=[plan for _, plan in final],
+                        locals=list(plans))
             return PerRank(final)
+
+        def whole(entry: CacheEntry, results: list) -> list:
+            """The write results made whole by the entry's plans."""
+            if entry.plans is None or entry.locals is None:
+                return results
+            return [wire.absolute_result(r, entry.plans[rank], entry.locals[rank], rank)
+                    if isinstance(r, wire.CachedWriteResult) else r
+                    for rank, r in enumerate(results)]
 
         # each part: (kind, key, marks or tokens, plan or write result), by kind
         def decide(parts: list[tuple[str, str, Any, Any]]):
@@ -175,7 +197,7 @@ class PlanCache:
                 if all(kind == "written" and m == marks for kind, _, m, _ in parts):
                     job.decls = own.decls
                     job.check_target()
-                    return job.commit(marks[1], [result for _, _, _, result in parts])
+                    return job.commit(marks[1], whole(own, [result for _, _, _, result in parts]))
                 if all((kind == "written" and m == marks) or (kind == "choose" and own.token in m)
                        for kind, _, m, _ in parts):
                     job.check_target()
@@ -194,7 +216,7 @@ class PlanCache:
 
             def commit(results: list) -> Metadata:
                 job.decls = chosen.decls
-                return job.commit(name, results)
+                return job.commit(name, whole(chosen, results))
 
             metadata = coord.gather_broadcast(
                 "save writing/commit",
@@ -205,14 +227,16 @@ class PlanCache:
             def replan() -> SavePlan:
                 job.storage.retrying(job.storage.delete, job.written)  # speculative files
                 job.written = []
-                return job.planner.create_local_plan(mine["offered"])
+                mine["local"] = job.planner.create_local_plan(mine["offered"])
+                return mine["local"]
             answer = coord.gather_scatter("save planning", replan,
                                           lambda plans: plan_all(plans).values)
         planning_s = time.perf_counter() - start
         name, plan = answer
         metadata = job.persist(name, plan)
         entry = CacheEntry(mine["key"], plan, token=name, keys=mine.get("keys"),
-                           decls=mine.get("decls"))
+                           decls=mine.get("decls"), local=mine.get("local"),
+                           plans=mine.get("plans"), locals=mine.get("locals"))
         if cacheable:
             self.add(entry)
         return CachedSaveResult(metadata, True, planning_s, entry if cacheable else None)

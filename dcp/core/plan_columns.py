@@ -10,15 +10,16 @@ offsets and sizes flattened, its bytes) and are built as objects only when
 it and encodes it straight from its columns; the default save planner reads
 and makes columns (:func:`columns_of`), so on the coordinator a plan's
 items never become objects.  It compares equal to a plain plan of the same
-items and pickles as one.
+items, and pickles as its columns (as a plain plan once its items are built).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -89,10 +90,12 @@ def columns_of(plan: SavePlan) -> PlanColumns:
 
 class ColumnarSavePlan(SavePlan):
     """A :class:`SavePlan` holding its items as :class:`PlanColumns` until
-    ``items`` is first read (then as objects, which later changes go to)."""
+    ``items`` is first read (then as objects, which later changes go to).
+    ``tensors`` may be a read-only mapping shared by many plans (decoded
+    plans of one tensor table share one); it pickles as a dict."""
 
-    def __init__(self, tensors: dict[str, TensorDecl], columns: PlanColumns) -> None:
-        self.tensors = tensors
+    def __init__(self, tensors: Mapping[str, TensorDecl], columns: PlanColumns) -> None:
+        self.tensors = cast(dict, tensors)
         self.columns = columns
         self._items: list[WriteItem] | None = None
 
@@ -117,4 +120,6 @@ class ColumnarSavePlan(SavePlan):
         return f"ColumnarSavePlan(tensors={len(self.tensors)}, items={len(self.columns)})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return SavePlan, (self.tensors, self.items)
+        if self._items is None:  # still columns: a few arrays, not an object per item
+            return ColumnarSavePlan, (dict(self.tensors), self.columns)
+        return SavePlan, (dict(self.tensors), self.items)
