@@ -1,11 +1,13 @@
 """Parallel conversions (:mod:`dcp.interop.parallel`): the same bytes from 2
-ranks as from 1, the memory budget, export casting and prefix filtering, and
-errors naming the tensor and file."""
+ranks as from 1 (safetensors and PyTorch DCP, both ways), the memory
+budget, export casting and prefix filtering, and errors naming the tensor
+and file."""
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from safetensors.torch import save_file
 import dcp
 from dcp.interop.parallel import ByteBudget
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
+from dcp.interop.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, random_tensor
 
@@ -80,6 +83,22 @@ def test_two_rank_conversions(ctx):
                                        max_shard_size="400KB", dtype="bfloat16", model_only=True,
                                        buffer_bytes=BUDGET, process_group=dist.group.WORLD)
     assert len(result.files) > 3 and result.files[-1] == "model.safetensors.index.json"
+    # PyTorch DCP, both ways: each rank converts a share, one commit
+    torch_src = ctx.shared / "parallel-torch"
+    if ctx.rank == 0:
+        _torch_save({**_model(), "meta": {"epoch": 3}}, torch_src)
+        _torch_save({"strided": torch.ones(3, 2).T}, ctx.shared / "strided-torch")
+    ctx.barrier()
+    md = torch_dcp_to_checkpoint(str(torch_src), str(ctx.shared / "parallel-torch-2"),
+                                 trusted=True, buffer_bytes=BUDGET, process_group=dist.group.WORLD)
+    assert md.world_size == 2 and md.objects["meta.epoch"].value == 3
+    assert {c.rank for t in md.tensors.values() for c in t.chunks} == {0, 1}
+    checkpoint_to_torch_dcp(str(ctx.shared / "parallel-torch-2"),
+                            str(ctx.shared / "parallel-torch-2-export"), buffer_bytes=BUDGET,
+                            process_group=dist.group.WORLD)
+    with pytest.raises(dcp.CheckpointError, match=r"'strided'.*stride.*without a process group"):
+        torch_dcp_to_checkpoint(str(ctx.shared / "strided-torch"), str(ctx.shared / "strided"),
+                                trusted=True, process_group=dist.group.WORLD)
 
 
 def test_two_ranks_write_the_same_bytes_as_one(dist_groups, tmp_path):
@@ -98,6 +117,33 @@ def test_two_ranks_write_the_same_bytes_as_one(dist_groups, tmp_path):
     for name in names:
         assert (tmp_path / "export" / name).read_bytes() == \
             (shared / "parallel-2-export" / name).read_bytes(), name
+    torch_dcp_to_checkpoint(str(shared / "parallel-torch"), str(tmp_path / "torch-one"),
+                            trusted=True, buffer_bytes=BUDGET)
+    assert _fingerprint(tmp_path / "torch-one") == _fingerprint(shared / "parallel-torch-2")
+    exported = shared / "parallel-torch-2-export"
+    assert {p.name[:3] for p in exported.glob("*.distcp")} == {"__0", "__1"}  # both ranks wrote
+    target = {fqn: torch.zeros_like(t) for fqn, t in _model().items()}
+    target["meta"] = {"epoch": None}
+    _torch_load(target, exported)
+    assert target.pop("meta") == {"epoch": 3}
+    for fqn, value in _model().items():
+        assert_bitwise_equal(target[fqn], value, fqn)
+
+
+def _torch_save(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as torch_dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def _torch_load(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as torch_dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_dcp.load(state, checkpoint_id=str(path), no_dist=True)
 
 
 def test_export_casts_floating_point_tensors_and_filters_by_prefix(tmp_path):

@@ -135,6 +135,73 @@ def test_values_that_are_not_json_need_allow_pickle_both_ways(tmp_path):
     assert target["meta"]["classes"] == {1, 2, 3}
 
 
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model and its AdamW after two steps (state: step, exp_avg,
+    exp_avg_sq per parameter; two param groups)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    optim = torch.optim.AdamW([{"params": model[0].parameters()},
+                               {"params": model[2].parameters(), "lr": 3e-3 + seed}],
+                              lr=1e-3, betas=(0.8, 0.9 + seed / 100))
+    for _ in range(2):
+        model(torch.randn(5, 16)).square().sum().backward()
+        optim.step()
+    return model, optim
+
+
+def _assert_optim_same(actual: dict, expected: dict) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for k, state in expected["state"].items():
+        for name, value in state.items():
+            assert_bitwise_equal(actual["state"][k][name], value, f"state.{k}.{name}")
+
+
+def test_model_and_adamw_round_trip_into_nested_state_dicts(tmp_path):
+    model, optim = _trained(0)
+    _torch_save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path / "torch")
+    md = torch_dcp_to_checkpoint(str(tmp_path / "torch"), str(tmp_path / "ours"), trusted=True)
+    assert "optim.param_groups" in md.objects and "optim.state.0.exp_avg" in md.tensors
+    assert not any(k.startswith("optim.param_groups.") for k in md.fqns())
+    assert all(c.checksum is not None for t in md.tensors.values() for c in t.chunks)
+    other, other_optim = _trained(1)  # the same structure, other values
+    target = {"model": other.state_dict(), "optim": other_optim.state_dict()}
+    report = dcp.load(target, str(tmp_path / "ours"))
+    assert report.missing_keys == [] and report.unexpected_keys == []
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(target["model"][name], value, name)
+    _assert_optim_same(target["optim"], optim.state_dict())
+    assert target["optim"]["param_groups"][1]["betas"] == (0.8, 0.9)  # tuples as they were
+    other_optim.load_state_dict(target["optim"])  # and the optimizer takes it
+    # back to PyTorch DCP: torch's load fills the nested targets, and converting that again
+    # gives the same checkpoint
+    checkpoint_to_torch_dcp(str(tmp_path / "ours"), str(tmp_path / "back"))
+    third, third_optim = _trained(2)
+    target = {"model": third.state_dict(), "optim": third_optim.state_dict()}
+    _torch_load(target, tmp_path / "back")
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(target["model"][name], value, name)
+    for group in target["optim"]["param_groups"]:  # JSON keeps no tuples
+        group["betas"] = tuple(group["betas"])
+    _assert_optim_same(target["optim"], optim.state_dict())
+    again = torch_dcp_to_checkpoint(str(tmp_path / "back"), str(tmp_path / "again"), trusted=True)
+    assert again.objects == md.objects and sorted(again.tensors) == sorted(md.tensors)
+
+
+def test_tensors_torch_stored_strided_go_through_its_loader(tmp_path):
+    w = random_tensor((6, 4), torch.bfloat16, seed=3)
+    state = {"t": w.T, "w": w, "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3),
+             "meta": {"epoch": 3}}
+    _torch_save(state, tmp_path / "torch")
+    md = torch_dcp_to_checkpoint(str(tmp_path / "torch"), str(tmp_path / "ours"), trusted=True)
+    assert md.objects["meta.epoch"].value == 3
+    target = {"t": torch.zeros(4, 6, dtype=torch.bfloat16), "w": torch.zeros_like(w),
+              "scalar": torch.tensor(0.0), "empty": torch.empty(0, 3), "meta": {"epoch": 0}}
+    dcp.load(target, str(tmp_path / "ours"))
+    _assert_same(target, {**state, "t": w.T.contiguous()})
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_export_of_a_damaged_checkpoint_names_the_tensor_and_file(tmp_path):
     dcp.save({"a": torch.arange(1000.0), "b": torch.ones(10)}, str(tmp_path / "ours"))
     md = dcp.read_metadata(str(tmp_path / "ours"))

@@ -32,13 +32,14 @@ a failure on any rank leaves nothing committed (each rank deletes its files).
 
 from __future__ import annotations
 
+import json
 import mmap
 import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -49,13 +50,20 @@ from dcp.core.metadata import (
     METADATA_FILE,
     ChunkMeta,
     Metadata,
+    ObjectMeta,
     TensorMeta,
     checksum,
 )
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.interop.streaming import check_readable
-from dcp.orchestration.save import DATA_SUFFIX, commit_metadata, delete_stale
+from dcp.orchestration.save import (
+    DATA_SUFFIX,
+    commit_metadata,
+    delete_stale,
+    encode_object,
+    place_pickled,
+)
 
 #: Default memory budget of a conversion, per process (bytes).
 DEFAULT_BUDGET_BYTES = 512 << 20
@@ -274,19 +282,26 @@ def read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, 
 
 def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, *,
                       overwrite: bool = False, buffer_bytes: int = DEFAULT_BUDGET_BYTES,
-                      process_group=None, on_bytes: Callable[[int], None] | None = None
+                      process_group=None, on_bytes: Callable[[int], None] | None = None,
+                      objects: dict[str, Any] | None = None, allow_pickle: bool = False
                       ) -> Metadata:
     """Copy every tensor of ``md`` (read from ``source``) into a new
-    checkpoint in ``dest``, each as one chunk with its CRC-32C; collective
-    over ``process_group`` when one is initialized (each rank writes the
-    files ``k % world_size == rank``, rank 0 commits).  Returns the
-    committed :class:`~dcp.Metadata` on every rank.
+    checkpoint in ``dest``, each as one chunk with its CRC-32C, plus the
+    non-tensor values ``objects`` (fqn -> value: JSON, or pickled with
+    ``allow_pickle``, written by rank 0); collective over ``process_group``
+    when one is initialized (each rank writes the files ``k % world_size
+    == rank``, rank 0 commits).  Returns the committed
+    :class:`~dcp.Metadata` on every rank.
 
     Raises:
         CheckpointError: a committed checkpoint at ``dest`` without
-            ``overwrite``; a failed read or write on any rank, naming the
-            tensor and file (nothing is committed, the files are deleted).
+            ``overwrite``; a non-JSON value without ``allow_pickle``, naming
+            it (before anything is written); a failed read or write on any
+            rank, naming the tensor and file (nothing is committed, the
+            files are deleted).
     """
+    encoded = {fqn: encode_object(fqn, value, allow_pickle)
+               for fqn, value in (objects or {}).items()}
     ranks = Ranks.of(process_group)
     if not overwrite and ranks.broadcast(dest.exists(METADATA_FILE) if ranks.rank == 0 else None):
         raise CheckpointError(f"{dest.checkpoint_id!r} already holds a committed checkpoint; "
@@ -341,6 +356,19 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
         for fqn, meta in md.tensors.items():
             out.tensors[fqn] = TensorMeta(meta.shape, meta.dtype,
                                           [chunks[fqn]] if fqn in chunks else [])
+        pickled = {f: e for f, e in encoded.items() if isinstance(e, bytes)}
+        for fqn, text in encoded.items():
+            if isinstance(text, str):
+                out.objects[fqn] = ObjectMeta(value=json.loads(text))
+        if pickled:
+            name = f"convert-objects.{save_id}{DATA_SUFFIX}"
+            with lock:
+                written.append(name)
+            try:
+                dest.write_file(name, place_pickled(name, pickled, out))
+            except Exception as e:
+                raise CheckpointError(f"writing {name!r} (values {', '.join(map(repr, pickled))}) "
+                                      f"of {dest.checkpoint_id!r} failed: {e}") from e
         try:
             commit_metadata(dest, METADATA_FILE, out, overwrite)
         except CheckpointError:

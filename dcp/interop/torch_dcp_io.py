@@ -1,9 +1,25 @@
 """Interop with PyTorch DCP (``torch.distributed.checkpoint``), both ways.
 
-Both directions go through torch's own reader and writer
-(``FileSystemReader`` / ``FileSystemWriter`` and its ``load`` / ``save``), so
-they follow torch's format wherever it changes; they run in one process,
-without collectives, and take local paths (or ``file://`` URIs).
+* **import** (:func:`torch_dcp_to_checkpoint`): torch's ``.metadata`` gives
+  each chunk's byte range in its ``.distcp`` file, a ``torch.save`` archive
+  (zip) of one tensor that stores its bytes uncompressed.  The archive's
+  directory and its small ``data.pkl`` are read (without running the
+  pickle: only the tensor's rebuild call is accepted, see
+  :class:`_TensorPickle`) to find where the raw bytes start, so
+  :class:`TorchDcpFolder` presents the checkpoint as ours and the
+  conversion runs as the safetensors import does: budgeted concurrent
+  file tasks, optionally shared over a job's ranks
+  (:func:`dcp.interop.parallel.import_checkpoint`).  A tensor torch stored
+  otherwise (through a stream extension, strided) sends the conversion
+  through torch's own loader instead.  Keys are regrouped by the paths
+  torch records (``planner_data``), so nested state dicts round-trip.
+* **export** (:func:`checkpoint_to_torch_dcp`): torch's own writer, given
+  placeholder (meta) tensors to plan with, several writer threads, and
+  each real tensor read from our checkpoint only when a thread asks for it
+  (within a byte budget); over a job's ranks, each writes a share through
+  torch's collective save.
+
+Both take local paths (or ``file://`` URIs) for the PyTorch DCP side.
 
 **Reading runs code from the checkpoint.**  PyTorch DCP's ``.metadata`` is a
 pickle, and its non-tensor values are ``torch.save`` pickles: reading them
@@ -11,35 +27,38 @@ can execute arbitrary code.  :func:`torch_dcp_to_checkpoint` therefore
 refuses unless called with ``trusted=True``, which you should pass only for
 checkpoints you trust (``hyperdcp convert --trust-pickle``).  The checkpoint
 it writes is ours: JSON metadata and raw bytes, safe to read from then on.
-
-Memory stays at about the largest tensor plus a buffer both ways: the
-import loads tensors in groups of about ``buffer_bytes``; the export hands
-torch's writer placeholder (meta) tensors to plan with and reads each real
-tensor only when the writer asks for it, writing one file per tensor
-(torch's writer keeps every tensor of a file until the file is done).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import math
+import pickle
+import threading
 import warnings
+import weakref
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
 
 from dcp.core import tensors
-from dcp.core.metadata import Metadata, TensorMeta
+from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta
+from dcp.core.state_dict import flatten
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 from dcp.errors import CheckpointError, NotACheckpointError
+from dcp.interop.parallel import DEFAULT_BUDGET_BYTES, ByteBudget, Ranks, import_checkpoint
 from dcp.interop.streaming import (
-    DEFAULT_BUFFER_BYTES,
     CheckpointWriter,
     ExportResult,
     progress_bar,
@@ -47,6 +66,7 @@ from dcp.interop.streaming import (
     read_tensor,
     renamed,
 )
+from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import read_metadata
 
 #: The file holding a PyTorch DCP checkpoint's (pickled) metadata.
@@ -85,9 +105,9 @@ def _torch_error(what: str, e: BaseException) -> CheckpointError:
     return CheckpointError(f"{what} failed in torch.distributed.checkpoint: {detail}")
 
 
-def _batches(items: list[tuple[str, Any]], nbytes, limit: int) -> list[list[tuple[str, Any]]]:
+def _batches(items: list[tuple[str, str]], nbytes, limit: int) -> list[list[tuple[str, str]]]:
     """Consecutive groups of at most ``limit`` bytes (a larger item alone)."""
-    groups: list[list[tuple[str, Any]]] = [[]]
+    groups: list[list[tuple[str, str]]] = [[]]
     size = 0
     for item in items:
         n = nbytes(item[1])
@@ -99,18 +119,183 @@ def _batches(items: list[tuple[str, Any]], nbytes, limit: int) -> list[list[tupl
     return groups
 
 
+class _Range(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of file ``name`` as a read-only,
+    seekable file (for :mod:`zipfile`), read through ``storage``."""
+
+    def __init__(self, storage: StoragePlugin, name: str, start: int, length: int) -> None:
+        super().__init__()
+        self.storage, self.name, self.start, self.length, self.pos = (
+            storage, name, start, length, 0)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        n = max(0, min(len(b), self.length - self.pos))
+        if n:
+            self.storage.read_ranges(self.name, [(self.start + self.pos, memoryview(b)[:n])])
+        self.pos += n
+        return n
+
+
+def _rebuild(storage, offset, size, stride, *rest):
+    return storage, offset, tuple(size), tuple(stride)
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads the ``data.pkl`` of a ``torch.save`` of one tensor without
+    running anything: ``_rebuild_tensor_v2`` gives back its storage's
+    persistent id, offset, size and stride; any other global refuses."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return tuple(pid)
+
+
+def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
+                sizes: tuple[int, ...]) -> int | str:
+    """Where the raw row-major bytes of the chunk ``info`` (a ``torch.save``
+    of one tensor of ``sizes`` and ``dtype`` in torch's file) start in its
+    file, or why they cannot be read raw (compressed, strided, ...)."""
+    if info.transform_descriptors:
+        return f"stored through {list(info.transform_descriptors)}"
+    nbytes = math.prod(sizes) * dtype.itemsize
+    try:
+        with zipfile.ZipFile(_Range(storage, info.relative_path, info.offset, info.length)) as z:
+            infos = z.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
+            data = [i for i in infos if "/data/" in i.filename]
+            order = [i for i in infos if i.filename.endswith("/byteorder")]
+            if len(pkl) != 1 or len(data) != 1 or (order and z.read(order[0]) != b"little"):
+                return "not one little-endian storage"
+            (kind, storage_type, key, _, numel), offset, size, stride = _TensorPickle(
+                io.BytesIO(z.read(pkl[0]))).load()
+            entry = data[0]
+            header = bytearray(30)
+            storage.read_ranges(info.relative_path,
+                                [(info.offset + entry.header_offset, memoryview(header))])
+    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
+            EOFError) as e:
+        return f"not a torch.save of one tensor ({type(e).__name__}: {e})"
+    contiguous = all(stride[d] == math.prod(size[d + 1:]) for d in range(len(size))
+                     if size[d] > 1)
+    if not (kind == "storage" and _STORAGE_DTYPES.get(storage_type) == dtype and offset == 0
+            and size == sizes and contiguous and numel * dtype.itemsize == nbytes
+            and entry.file_size == nbytes and entry.compress_type == zipfile.ZIP_STORED
+            and entry.filename.endswith(f"/data/{key}") and header[:4] == b"PK\x03\x04"):
+        return f"a {storage_type} of size {size}, stride {stride}, offset {offset}"
+    names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return info.offset + entry.header_offset + 30 + names
+
+
+_STORAGE_DTYPES = {name: dtype for name, dtype in
+                   torch.storage._storage_type_to_dtype_map().items()}
+
+
+class TorchDcpFolder(ReadOnlyView):
+    """A PyTorch DCP checkpoint's tensors presented as a read-only
+    checkpoint: each chunk is the byte range of its raw data inside torch's
+    ``.distcp`` file (a ``torch.save`` archive stores it uncompressed), no
+    checksum.  ``keys`` maps our fqn to torch's key.  :attr:`unreadable`
+    names a tensor whose bytes are not stored raw (with the reason), if
+    any; its metadata is then incomplete.  Reading the headers runs no
+    pickle code (see :class:`_TensorPickle`)."""
+
+    def __init__(self, local: str, source: Any, keys: dict[str, str]) -> None:
+        super().__init__(local, open_storage(local), "PyTorch DCP checkpoint")
+        self.unreadable: str | None = None
+        self._metadata = Metadata(save_id="torch-dcp", world_size=1)
+        entries, storage_data = source.state_dict_metadata, source.storage_data
+        for fqn, key in keys.items():
+            m = entries[key]
+            meta = TensorMeta(tuple(m.size), tensors.dtype_name(m.properties.dtype, key))
+            for chunk in m.chunks:
+                sizes = tuple(chunk.sizes)
+                if not math.prod(sizes):
+                    continue
+                info = storage_data[MetadataIndex(key, chunk.offsets)]
+                where = _raw_offset(self.inner, info, m.properties.dtype, sizes)
+                if isinstance(where, str):
+                    self.unreadable = f"{key!r} ({info.relative_path}): {where}"
+                    return
+                meta.chunks.append(ChunkMeta(tuple(chunk.offsets), sizes, info.relative_path,
+                                             where, math.prod(sizes) * m.properties.dtype.itemsize,
+                                             None, 0))
+            self._metadata.tensors[fqn] = meta
+
+    @property
+    def metadata(self) -> Metadata:
+        return self._metadata
+
+
+class _TensorAt:
+    """Stands for torch's tensor ``key`` in a nested state dict."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _regroup(keys: list[str], values: dict[str, Any], mapping) -> tuple[dict[str, str],
+                                                                        dict[str, Any]]:
+    """Our fqns for torch's flattened keys: torch's ``planner_data`` maps
+    each key to its path in the state dict that was saved, so the nested
+    state is rebuilt and flattened as :func:`dcp.load` flattens a target
+    (``optim.param_groups.0.lr``... become the one value
+    ``optim.param_groups``, as ``optimizer.state_dict()`` holds it).
+    Returns (fqn -> tensor key, fqn -> value); keys without a path keep
+    their names."""
+    flat = {k: values[k] if k in values else _TensorAt(k) for k in keys}
+    if not isinstance(mapping, dict) or not all(
+            isinstance(mapping.get(k), tuple) and mapping[k] for k in keys):
+        leaves = flat
+    else:
+        nested = unflatten_state_dict(flat, mapping)
+        leaves = {fqn: leaf.value
+                  for fqn, leaf in flatten(nested, lambda v: isinstance(v, _TensorAt)).items()}
+    tensor_keys = {f: v.key for f, v in leaves.items() if isinstance(v, _TensorAt)}
+    return tensor_keys, {f: v for f, v in leaves.items() if not isinstance(v, _TensorAt)}
+
+
 def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = False,
                             rename: dict[str, str] | None = None, overwrite: bool = False,
-                            allow_pickle: bool = False, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                            allow_pickle: bool = False, buffer_bytes: int = DEFAULT_BUDGET_BYTES,
                             storage_options: dict | None = None,
-                            progress: bool = False) -> Metadata:
+                            progress: bool = False, process_group=None) -> Metadata:
     """Convert a PyTorch DCP checkpoint into ours.
 
-    Tensors are consolidated (torch's loader reassembles every rank's
-    shards) and written one chunk each with its checksum, bytes and dtype
-    unchanged; non-tensor values become JSON values, or pickles with
-    ``allow_pickle``.  fqns are torch's flattened keys (``optim.state.0.
-    exp_avg``), which :func:`dcp.load` matches against a nested state dict.
+    Tensors are consolidated (every rank's chunks into one) and written
+    one chunk each with its checksum, bytes and dtype unchanged: read
+    straight from torch's files (a ``torch.save`` archive stores a tensor's
+    bytes uncompressed) several data files at once within ``buffer_bytes``
+    (:func:`dcp.interop.parallel.import_checkpoint`), shared over the
+    ranks of ``process_group`` if one is passed.  A tensor torch stored
+    otherwise (through an extension, strided) makes the whole conversion
+    go through torch's loader instead, in groups of about ``buffer_bytes``,
+    in one process.  Non-tensor values become JSON values, or pickles with
+    ``allow_pickle``.  fqns are those :func:`dcp.load` gives the state dict
+    that was saved: torch's flattened keys regrouped by the paths its
+    metadata records, so ``{"model": model.state_dict(), "optim":
+    optimizer.state_dict()}`` loads from the result (``optim.state.0.
+    exp_avg`` is a tensor, ``optim.param_groups`` one value).
 
     Args:
         path: the PyTorch DCP checkpoint directory (local, or ``file://``).
@@ -119,21 +304,25 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
         trusted: required: the source's metadata and non-tensor values are
             pickles, which can run code.  Pass ``True`` only for
             checkpoints you trust.
-        rename: torch fqn -> our fqn.
+        rename: fqn (after regrouping) -> our fqn.
         overwrite: replace a committed checkpoint at ``checkpoint_id``.
         allow_pickle: store non-JSON values pickled instead of raising.
-        buffer_bytes: tensors loaded per call of torch's loader (bytes,
-            about), and bytes per data file.
+        buffer_bytes: memory budget per process (bytes in flight; at least
+            the largest tensor is let through).
         progress: show a progress bar (tqdm, bytes) on stderr.
+        process_group: share the conversion over this group's ranks
+            (collective; every rank reads the source's metadata); ``None``:
+            this process alone.
 
     Returns:
-        The committed :class:`dcp.Metadata`.
+        The committed :class:`dcp.Metadata` (on every rank).
 
     Raises:
         CheckpointError: without ``trusted``; a dtype we cannot hold, a
-            non-JSON value without ``allow_pickle``, a bad rename map, or a
-            failure inside torch (its message included); nothing is
-            committed then.
+            non-JSON value without ``allow_pickle``, a bad rename map, a
+            failure inside torch (its message included), a failed read or
+            write naming the tensor and file, or a process group with
+            tensors only torch's loader reads; nothing is committed then.
         NotACheckpointError: ``path`` has no ``.metadata``.
     """
     if not trusted:
@@ -151,12 +340,9 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
     except (Exception, CheckpointException) as e:
         raise _torch_error(f"reading {path!r}", e) from e
     entries = source.state_dict_metadata
-    names = renamed(entries, rename, repr(str(path)))
-    tensor_items = [(fqn, m) for fqn, m in entries.items() if isinstance(m, TensorStorageMetadata)]
-    objects = [fqn for fqn, m in entries.items() if not isinstance(m, TensorStorageMetadata)]
-
-    def nbytes(m: TensorStorageMetadata) -> int:
-        return m.size.numel() * m.properties.dtype.itemsize
+    tensor_entries = {k: m for k, m in entries.items() if isinstance(m, TensorStorageMetadata)}
+    for key, m in tensor_entries.items():  # refuse what we cannot hold, first
+        tensors.dtype_name(m.properties.dtype, key)
 
     def load_from_torch(state: dict) -> None:
         try:
@@ -165,56 +351,129 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
         except (Exception, CheckpointException) as e:
             raise _torch_error(f"loading {', '.join(list(state)[:3])}... from {path!r}", e) from e
 
+    values = dict.fromkeys(k for k in entries if k not in tensor_entries)
+    if values:
+        load_from_torch(values)
+    tensor_keys, objects = _regroup(list(entries), values, source.planner_data)
+    names = renamed([*tensor_keys, *objects], rename, repr(str(path)))
+    view = TorchDcpFolder(local, source, {names[f]: k for f, k in tensor_keys.items()})
+    if view.unreadable is None:
+        dest = open_storage(str(checkpoint_id), **(storage_options or {}))
+        with progress_bar(view.metadata.stored_bytes, "import", progress) as bar:
+            return import_checkpoint(view, view.metadata, dest, overwrite=overwrite,
+                                     buffer_bytes=buffer_bytes, process_group=process_group,
+                                     on_bytes=bar.update, allow_pickle=allow_pickle,
+                                     objects={names[f]: v for f, v in objects.items()})
+    if Ranks.of(process_group).world_size > 1:
+        raise CheckpointError(f"{path!r}: tensor {view.unreadable}: only torch's loader reads it, "
+                              f"in one process; convert without a process group")
+
+    def nbytes(key: str) -> int:
+        m = tensor_entries[key]
+        return m.size.numel() * m.properties.dtype.itemsize
+
     with CheckpointWriter(checkpoint_id, overwrite=overwrite, allow_pickle=allow_pickle,
                           buffer_bytes=buffer_bytes, storage_options=storage_options) as writer, \
-            progress_bar(sum(nbytes(m) for _, m in tensor_items), "import", progress) as bar:
-        for group in _batches(tensor_items, nbytes, buffer_bytes):
-            for fqn, m in group:
-                tensors.dtype_name(m.properties.dtype, fqn)  # refuse what we cannot hold, first
-            state = {fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype) for fqn, m in group}
+            progress_bar(sum(map(nbytes, tensor_keys.values())), "import", progress) as bar:
+        for group in _batches(list(tensor_keys.items()), nbytes, buffer_bytes):
+            state = {key: torch.empty(tuple(tensor_entries[key].size),
+                                      dtype=tensor_entries[key].properties.dtype)
+                     for _, key in group}
             load_from_torch(state)
-            for fqn, m in group:  # popped: the writer holds the only reference
-                writer.add_tensor(names[fqn], state.pop(fqn))
-                bar.update(nbytes(m))
-        if objects:
-            values = dict.fromkeys(objects)
-            load_from_torch(values)
-            for fqn, value in values.items():
-                writer.add_object(names[fqn], value)
+            for fqn, key in group:  # popped: the writer holds the only reference
+                writer.add_tensor(names[fqn], state.pop(key))
+                bar.update(nbytes(key))
+        for fqn, value in objects.items():
+            writer.add_object(names[fqn], value)
         return writer.commit()
 
 
 class _ReadOnDemand(DefaultSavePlanner):
     """torch's default save planner, given meta tensors to plan with; the
     real bytes of each tensor are read from our checkpoint when torch's
-    writer resolves its write item."""
+    writer resolves its write item, within ``budget``: a tensor's bytes
+    leave it when its writer thread asks for its next one, or when the
+    tensor is freed, whichever comes first."""
 
     def __init__(self, storage: StoragePlugin, source: dict[str, tuple[str, TensorMeta]],
-                 bar: tqdm) -> None:
+                 bar: tqdm, budget: ByteBudget) -> None:
         super().__init__()
         self.storage = storage
         self.source = source
         self.bar = bar
+        self.budget = budget
+        self.held = threading.local()
+        self.error: BaseException | None = None
 
     def resolve_data(self, write_item):
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         fqn, meta = self.source[write_item.index.fqn]
-        tensor = read_tensor(self.storage, fqn, meta)
+        previous = getattr(self.held, "release", None)
+        if previous is not None:  # this writer thread is done with its previous tensor
+            previous()
+        self.budget.acquire(meta.nbytes)
+        try:
+            tensor = read_tensor(self.storage, fqn, meta)
+        except BaseException as e:
+            self.budget.release(meta.nbytes)
+            self.error = self.error or e
+            raise
+        self.held.release = weakref.finalize(tensor, self.budget.release, meta.nbytes)
         self.bar.update(meta.nbytes)
         return tensor
 
 
+#: Writer threads of an export to PyTorch DCP (each writes one file at a time).
+EXPORT_THREADS = 4
+
+
+class _Writer(tdcp.FileSystemWriter):
+    """torch's file writer, failing when one of its threads failed: its
+    extra threads drop their exceptions, so a missing result would
+    otherwise commit a ``.metadata`` without the item."""
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        missing = len(plan.items) - len(done.value())
+        if missing:
+            raise getattr(planner, "error", None) or CheckpointError(
+                f"writing {str(self.path)!r}: {missing} of {len(plan.items)} items were not "
+                f"written (a writer thread failed)")
+        return done
+
+
+def _shares(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """The fqns split over ``world_size`` ranks, largest first to the rank
+    with the fewest bytes (the same on every rank)."""
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for fqn in sorted(sizes, key=lambda f: (-sizes[f], f)):
+        r = loads.index(min(loads))
+        shares[r].append(fqn)
+        loads[r] += sizes[fqn]
+    return shares
+
+
 def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
                             rename: dict[str, str] | None = None, overwrite: bool = False,
-                            allow_pickle: bool = False, storage_options: dict | None = None,
-                            progress: bool = False) -> ExportResult:
+                            allow_pickle: bool = False, buffer_bytes: int = DEFAULT_BUDGET_BYTES,
+                            storage_options: dict | None = None,
+                            progress: bool = False, process_group=None) -> ExportResult:
     """Export a checkpoint as a PyTorch DCP checkpoint that
     ``torch.distributed.checkpoint.load`` reads.
 
-    Tensors are consolidated from their chunks (checksums verified) one at
-    a time as torch's writer asks for them, one ``.distcp`` file each;
-    non-tensor values are handed to torch, which pickles them.
+    torch's own writer writes it (so its format is torch's, one ``.distcp``
+    file per tensor), from :data:`EXPORT_THREADS` threads at once; each
+    tensor is consolidated from its chunks (checksums verified) when a
+    writer thread asks for it, with the tensors held at once within
+    ``buffer_bytes`` (a larger one passes alone).  With a ``process_group``
+    each rank of it writes a share of the tensors (balanced by bytes)
+    through torch's collective save, one ``.metadata`` in all.  Non-tensor
+    values are handed to torch (rank 0's), which flattens nested ones as it
+    flattens a state dict and pickles them, so the result loads into the
+    nested state dict that was saved (``optim.param_groups`` into
+    ``optimizer.state_dict()``'s).
 
     Args:
         checkpoint_id: our checkpoint, path or URI; ``storage_options`` go
@@ -224,10 +483,14 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
         overwrite: replace a PyTorch DCP checkpoint at ``path``.
         allow_pickle: unpickle values we stored pickled, to hand them on
             (runs code from the checkpoint: trusted checkpoints only).
+        buffer_bytes: memory budget per process (bytes of tensors held).
         progress: show a progress bar (tqdm, bytes) on stderr.
+        process_group: share the export over this group's ranks
+            (collective); ``None``: this process alone.
 
     Returns:
-        An :class:`~dcp.interop.streaming.ExportResult` (files: torch's).
+        An :class:`~dcp.interop.streaming.ExportResult` (files: torch's, on
+        every rank).
 
     Raises:
         CheckpointError: destination holds a checkpoint without
@@ -240,22 +503,33 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
     storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     md = read_metadata(str(checkpoint_id), storage=storage)
     names = renamed(md.fqns(), rename, repr(str(checkpoint_id)))
-    if not overwrite and (Path(local) / TORCH_METADATA_FILE).exists():
+    ranks = Ranks.of(process_group)
+    if not overwrite and ranks.broadcast((Path(local) / TORCH_METADATA_FILE).exists()
+                                         if ranks.rank == 0 else None):
         raise CheckpointError(f"{path!r} already holds a PyTorch DCP checkpoint; "
                               f"pass overwrite=True to replace it")
+    mine = _shares({f: m.nbytes for f, m in md.tensors.items()}, ranks.world_size)[ranks.rank]
     state: dict[str, Any] = {}
-    for fqn, meta in md.tensors.items():
+    for fqn in mine:
+        meta = md.tensors[fqn]
         state[names[fqn]] = torch.empty(meta.shape, dtype=tensors.torch_dtype(meta.dtype),
                                         device="meta")
-    for fqn, obj in md.objects.items():
-        state[names[fqn]] = read_object(storage, fqn, obj, allow_pickle)
-    source = {names[fqn]: (fqn, meta) for fqn, meta in md.tensors.items()}
-    with progress_bar(md.unique_bytes, "export", progress) as bar:
+    if ranks.rank == 0:
+        for fqn, obj in md.objects.items():
+            state[names[fqn]] = read_object(storage, fqn, obj, allow_pickle)
+    source = {names[fqn]: (fqn, md.tensors[fqn]) for fqn in mine}
+    with progress_bar(sum(md.tensors[f].nbytes for f in mine), "export", progress) as bar:
         try:
-            writer = tdcp.FileSystemWriter(local, single_file_per_rank=False, overwrite=overwrite)
+            writer = _Writer(local, single_file_per_rank=False,
+                             thread_count=EXPORT_THREADS, overwrite=overwrite)
+            planner = _ReadOnDemand(storage, source, bar, ByteBudget(buffer_bytes))
             with _single_process():
-                saved = tdcp.save(state, storage_writer=writer, no_dist=True,
-                                  planner=_ReadOnDemand(storage, source, bar))
+                if ranks.world_size == 1:
+                    saved = tdcp.save(state, storage_writer=writer, no_dist=True,
+                                      planner=planner)
+                else:
+                    saved = tdcp.save(state, storage_writer=writer, planner=planner,
+                                      process_group=ranks.group)
         except (Exception, CheckpointException) as e:
             raise _torch_error(f"saving {path!r}", e) from e
     files = sorted({info.relative_path for info in saved.storage_data.values()})
