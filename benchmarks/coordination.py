@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dcp.coordination import wire
-from dcp.coordination.collectives import Coordinator, CoordinatorBase, PerRank
+from dcp.coordination.collectives import Coordinator, PerRank
 from dcp.coordination.file_flag import FileCoordinator, answer_first_poll, poll_times
 from dcp.core.metadata import METADATA_FILE
 from dcp.core.planner import SavePlan
@@ -67,10 +67,23 @@ def layout_for(ranks: int) -> Layout:
     return Layout(tp=tp, pp=pp, dp=ranks // (tp * pp))
 
 
-def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult]]:
+def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult], list[SavePlan]]:
+    """Every rank's local plan, write result and final plan."""
     plans = local_plans(layout_for(ranks))
     final = DefaultSavePlanner().create_global_plan(plans)
-    return plans, simulated_write_results(plans, final)
+    return plans, simulated_write_results(plans, final), final
+
+
+_KEY, _MARKS = "f" * 64, ("0" * 24, "0" * 24)
+
+
+def _cached_parts(plans: list[SavePlan], final: list[SavePlan],
+                  results: list[WriteResult]) -> list[tuple]:
+    """What each rank of a cached save sends: ``("written", key, marks,
+    result)``, its write result relative to its cached plans (``local``
+    ``plans`` and ``final`` ones), as ``PlanCache`` sends it."""
+    return [("written", _KEY, _MARKS, wire.relative_result(r, f, p, rank))
+            for rank, (r, f, p) in enumerate(zip(results, final, plans, strict=True))]
 
 
 def _detected(start: float, ready: float, first: float) -> tuple[float, int]:
@@ -124,7 +137,8 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
     per rank: its write, its polls that miss (from the schedule), its reads
     and its delete.
     """
-    plans, results = _payloads(ranks)
+    plans, results, final = _payloads(ranks)
+    cached = _cached_parts(plans, final, results)
     row: dict = {"transport": f"file ({store})", "ranks": ranks}
     decls: dict = {}
 
@@ -138,13 +152,18 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
         commit_metadata(storage, METADATA_FILE, md, overwrite=True)
         return md
 
+    def commit_cached(parts: list[tuple]):  # as PlanCache: results made whole, then commit
+        return commit([wire.absolute_result(p[3], final[r], plans[r], r)
+                       for r, p in enumerate(parts)])
+
     sample = sorted({1, ranks - 1, *range(1, ranks, max(1, ranks // ANSWER_SAMPLE))})
     first = answer_first_poll(ranks)
     with _store(store, scratch) as storage:
         coords = [FileCoordinator(storage, "bench", r, ranks, TIMEOUT_S) for r in range(ranks)]
-        rank_requests = 0.0
+        rank_requests = {"plans": 0.0, "results": 0.0, "hit": 0.0}
         for number, (step, parts, global_fn) in enumerate(
-                (("plans", plans, plan_all), ("results", results, commit))):
+                (("plans", plans, plan_all), ("results", results, commit),
+                 ("hit", cached, commit_cached))):
             before = [sum(c.requests.values()) for c in coords]
             inputs = [0.0] * ranks
             for r in range(1, ranks):
@@ -168,7 +187,7 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
                 late.append(wait + answers[-1])
                 misses.append(missed)
             made = [sum(coords[r].requests.values()) - before[r] for r in sample]
-            rank_requests += max(m + x for m, x in zip(made, misses, strict=True))
+            rank_requests[step] = max(m + x for m, x in zip(made, misses, strict=True))
             row.update({
                 f"{step}_rank_part_s": max(inputs),
                 f"{step}_coordinator_s": coordinator,
@@ -178,64 +197,97 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
                 f"{step}_critical_s": ready + max(late),
                 f"{step}_coordinator_requests": sum(coords[0].requests.values()) - before[0],
             })
-        row["rank_requests_per_save"] = rank_requests
+        row["rank_requests_per_save"] = rank_requests["plans"] + rank_requests["results"]
+        row["rank_requests_per_cached_save"] = rank_requests["hit"]
         t = time.perf_counter()
         for r in range(1, ranks):  # the ranks not sampled read their answer too
             coords[r]._delete_consumed()
         coords[0].close()
         row["close_s"] = time.perf_counter() - t
     row["payload_bytes_per_rank"] = (_encoded_size(plans) + _encoded_size(results)) / ranks
+    row["results_bytes_per_rank"] = _encoded_size(
+        [("written", _KEY, _MARKS, r) for r in results]) / ranks
+    row["hit_bytes_per_rank"] = _encoded_size(cached) / ranks
     return row
+
+
+#: Ranks per host in the computed two-level gather (one TP group of the layout).
+RANKS_PER_HOST = 8
 
 
 def gloo_bytes(ranks: int = 10240) -> dict:
     """The bytes one save's gathers bring to the coordinator at ``ranks``
     ranks, from the real encoders on the scale layout: the payloads, what
-    ``gather_object`` moves (every part padded to the largest), and, for
-    comparison, the pickled objects of a plain object gather.  A cached save
-    gathers only the results step, with each rank's key and token."""
-    plans, results = _payloads(ranks)
-    key, marks = "f" * 64, ("0" * 24, "0" * 24)
+    ``gather_object`` moves (every part padded to the largest), with one
+    gather and with the two-level gather through one leader per host of
+    :data:`RANKS_PER_HOST` ranks (the coordinator's host's payloads and the
+    other leaders' bundles), and, for comparison, the pickled objects of a
+    plain object gather.  A cached save gathers only the results step, each
+    rank's key, token and its write result relative to the cached plans."""
+    plans, results, final = _payloads(ranks)
     steps = {"miss": [[(p, None) for p in plans], [(r, None) for r in results]],
-             "hit": [[(("written", key, marks, r), None) for r in results]]}
+             "hit": [[(part, None) for part in _cached_parts(plans, final, results)]],
+             "hit_full": [[(("written", _KEY, _MARKS, r), None) for r in results]]}
     row: dict = {"transport": "gloo (computed)", "ranks": ranks}
     for kind, gathers in steps.items():
-        sizes = [[len(wire.encode(v)) for v in values] for values in gathers]
+        encoded = [[wire.encode(v) for v in values] for values in gathers]
+        sizes = [list(map(len, e)) for e in encoded]
         row[f"{kind}_bytes"] = sum(sum(s) for s in sizes)
         row[f"{kind}_padded_bytes"] = sum(max(s) * len(s) for s in sizes)
-        row[f"{kind}_pickled_bytes"] = sum(len(pickle.dumps(v)) for values in gathers
-                                           for v in values)
+        two_level = padded = 0
+        for e in encoded:
+            hosts = [e[h:h + RANKS_PER_HOST] for h in range(0, len(e), RANKS_PER_HOST)]
+            bundles = [len(wire.bundle(h)) for h in hosts[1:]]
+            two_level += sum(map(len, hosts[0])) + sum(bundles)
+            padded += max(map(len, hosts[0])) * len(hosts[0]) + max(bundles) * len(bundles)
+        row[f"{kind}_two_level_bytes"], row[f"{kind}_two_level_padded_bytes"] = two_level, padded
+        if kind != "hit_full":
+            row[f"{kind}_pickled_bytes"] = sum(len(pickle.dumps(v)) for values in gathers
+                                               for v in values)
     return row
 
 
-def _save_steps(coord: CoordinatorBase, plan: SavePlan, result: WriteResult,
-                compute: dict[str, float]) -> dict[str, float]:
+def _save_steps(coord: Coordinator, rank: int, payloads: tuple, compute: dict[str, float],
+                stats: list[dict]) -> dict[str, float]:
     """The coordination steps of one save on one rank (as in
-    :meth:`dcp.orchestration.save._Save.run`); returns when this rank got each answer,
-    seconds after its start.  The coordinator records its compute time per
-    step in ``compute``."""
+    :meth:`dcp.orchestration.save._Save.run`), then the one step of a save
+    by the cached plans (as in :class:`PlanCache`); returns when this rank
+    got each answer, seconds after its start.  The coordinator records its
+    compute time per step in ``compute``, and every rank its byte counters
+    after each step in ``stats``."""
+    plans, results, final = payloads
+    cached = _cached_parts(plans, final, results)
     start = time.perf_counter()
     seen: dict[str, float] = {}
     decls: dict = {}
 
-    def plan_all(plans: list[SavePlan]) -> list[SavePlan]:
+    def plan_all(parts: list[SavePlan]) -> list[SavePlan]:
         t = time.perf_counter()
-        final = DefaultSavePlanner().create_global_plan(plans)
-        for p in plans:
+        out = DefaultSavePlanner().create_global_plan(parts)
+        for p in parts:
             decls.update(p.tensors)
         compute["plans"] = time.perf_counter() - t
-        return final
+        return out
 
-    def commit(results: list[WriteResult]):
+    def commit(step: str, parts: list[WriteResult]):
         t = time.perf_counter()
-        md = build_metadata("0123456789abcdef", coord.world_size, decls, results)
-        compute["results"] = time.perf_counter() - t
+        md = build_metadata("0123456789abcdef", coord.world_size, decls, parts)
+        compute[step] = time.perf_counter() - t
         return md
 
-    coord.gather_scatter("save planning", lambda: plan, plan_all)
+    coord.gather_scatter("save planning", lambda: plans[rank], plan_all)
     seen["plans"] = time.perf_counter() - start
-    coord.gather_broadcast("save writing/commit", lambda: result, commit)
+    stats.append(dict(coord.stats))
+    coord.gather_broadcast("save writing/commit", lambda: results[rank],
+                           lambda parts: commit("results", parts))
     seen["results"] = time.perf_counter() - start
+    stats.append(dict(coord.stats))
+    coord.gather_broadcast(
+        "save (planning or cached writing)", lambda: cached[rank],
+        lambda parts: commit("hit", [wire.absolute_result(p[3], final[r], plans[r], r)
+                                     for r, p in enumerate(parts)]))
+    seen["hit"] = time.perf_counter() - start
+    stats.append(dict(coord.stats))
     return seen
 
 
@@ -247,7 +299,7 @@ def _times(seen: list[dict], compute: dict[str, float]) -> dict:
     """Per step: the slowest rank's time to its answer (``critical``: ranks
     run in parallel) and the coordinator's compute."""
     out, previous = {}, 0.0
-    for step in ("plans", "results"):
+    for step in ("plans", "results", "hit"):
         wall = max(s[step] for s in seen)
         out[f"{step}_critical_s"] = wall - previous
         out[f"{step}_compute_s"] = compute[step]
@@ -255,44 +307,63 @@ def _times(seen: list[dict], compute: dict[str, float]) -> dict:
     return out
 
 
-def _gloo_rank(rank: int, world_size: int) -> tuple[dict[str, float], dict[str, float], dict]:
+def _gloo_rank(rank: int, world_size: int, hosts: int
+               ) -> tuple[dict[str, float], dict[str, float], list[dict]]:
     """This rank's answer times, (the coordinator's) compute times and its
-    byte counts."""
+    byte counts per step; ``hosts`` > 1 simulates that many hosts (ranks
+    split evenly, in order) and gathers through their leaders."""
     import torch.distributed as dist
 
-    plans, results = _payloads(world_size)
+    payloads = _payloads(world_size)
     compute: dict[str, float] = {}
+    if hosts > 1:
+        coord = Coordinator(host=f"host-{rank * hosts // world_size}", two_level_from=2)
+    else:
+        coord = Coordinator()
     dist.barrier()
-    coord = Coordinator()
-    seen = _save_steps(coord, plans[rank], results[rank], compute)
-    return seen, compute, coord.stats
+    stats: list[dict] = []
+    seen = _save_steps(coord, rank, payloads, compute, stats)
+    return seen, compute, stats
 
 
-def measure_gloo(world_size: int, scratch: str | None) -> dict:
-    """One save's coordination over a gloo group of ``world_size`` processes."""
-    per_rank = launch(_gloo_rank, world_size)
-    stats = per_rank[0][2]
-    return {"transport": "gloo", "ranks": world_size,
+def measure_gloo(world_size: int, scratch: str | None, hosts: int = 1) -> dict:
+    """One save's coordination over a gloo group of ``world_size``
+    processes, then one by the cached plans; with ``hosts`` > 1, simulated
+    hosts and the two-level gather."""
+    per_rank = launch(_gloo_rank, world_size, hosts)
+    plans, results, hit = per_rank[0][2]  # the counters after each step
+
+    def delta(key: str, after: dict, before: dict) -> int:
+        return after[key] - before.get(key, 0)
+
+    return {"transport": "gloo" if hosts == 1 else f"gloo ({hosts} hosts)", "ranks": world_size,
             **_times([seen for seen, _, _ in per_rank], per_rank[0][1]),
-            "miss_bytes": stats["gathered_bytes"],
-            "miss_padded_bytes": stats["gathered_padded_bytes"]}
+            "miss_bytes": results["gathered_bytes"],
+            "miss_padded_bytes": results["gathered_padded_bytes"],
+            "hit_bytes": delta("gathered_bytes", hit, results),
+            "hit_padded_bytes": delta("gathered_padded_bytes", hit, results)}
 
 
 def run(out_dir, *, ranks=(512, 2048, 10240), stores=("posix", "s3"), gloo=(2, 4, 8),
-        gloo_ranks: int | None = 10240, repeat: int = 1, quick: bool = False,
-        scratch: str | None = None) -> list[dict]:
-    """Measure each transport and size ``repeat`` times; one row per
-    (transport, ranks) with medians (``*_s``) and ranges (``*_s_range``);
-    written to ``out_dir/coordination.json`` and ``coordination.md``."""
+        gloo_hosts=(1, 2), gloo_ranks: int | None = 10240, repeat: int = 1,
+        quick: bool = False, scratch: str | None = None) -> list[dict]:
+    """Measure each transport and size ``repeat`` times (gloo with each
+    count of ``gloo_hosts`` simulated hosts that leaves a host several
+    ranks); one row per (transport, ranks) with medians (``*_s``) and
+    ranges (``*_s_range``); written to ``out_dir/coordination.json`` and
+    ``coordination.md``."""
     if quick:
-        ranks, stores, gloo, gloo_ranks, repeat = (128,), ("posix",), (2,), 256, 1
+        ranks, stores, gloo, gloo_ranks, repeat = (128,), ("posix",), (2, 4), 256, 1
     rows = []
     for store in stores:
         for n in ranks:
             rows.append(summarize_runs([measure_file(n, scratch, store) for _ in range(repeat)]))
             print(markdown(rows[-1:]), flush=True)
-    for n in gloo:
-        rows.append(summarize_runs([measure_gloo(n, scratch) for _ in range(repeat)]))
+    for hosts in gloo_hosts:
+        for n in gloo:
+            if hosts == 1 or 1 < hosts < n:
+                rows.append(summarize_runs([measure_gloo(n, scratch, hosts)
+                                            for _ in range(repeat)]))
     if gloo_ranks:
         rows.append(gloo_bytes(gloo_ranks))
     write_table(out_dir, "coordination", rows, markdown(rows))
@@ -307,41 +378,63 @@ def _opt(key: str, fmt: str = ".3f", scale: float = 1.0):
     return cell
 
 
-def _mb(key: str):
-    return lambda r: f"{r[key] / 1e6:.1f}" if key in r else "–"
+def _pair(a: str, b: str, scale: float, fmt: str, form: str = "{} / {}"):
+    def cell(r: dict) -> str:
+        if a not in r:
+            return "–"
+        return form.format(f"{r[a] / scale:{fmt}}", f"{r[b] / scale:{fmt}}" if b in r else "–")
+    return cell
 
 
-COLUMNS: list[Column] = [
+FILE_COLUMNS: list[Column] = [
     ("transport", lambda r: r["transport"]),
     ("ranks", lambda r: f"{r['ranks']:,}"),
     ("plans: critical path s", _opt("plans_critical_s")),
     ("plans: coordinator s", _opt("plans_coordinator_s")),
-    ("planning s", _opt("plans_compute_s")),
     ("plans: coordinator CPU s", _opt("plans_coordinator_cpu_s")),
+    ("planning s", _opt("plans_compute_s")),
     ("results: critical path s", _opt("results_critical_s")),
     ("results: coordinator s", _opt("results_coordinator_s")),
-    ("metadata s", _opt("results_compute_s")),
     ("results: coordinator CPU s", _opt("results_coordinator_cpu_s")),
+    ("metadata s", _opt("results_compute_s")),
+    ("cache hit: critical path s", _opt("hit_critical_s")),
+    ("cache hit: coordinator CPU s", _opt("hit_coordinator_cpu_s")),
     ("coordinator requests per step", lambda r: (
-        f"{r['plans_coordinator_requests']:.0f} / {r['results_coordinator_requests']:.0f}"
-        if "plans_coordinator_requests" in r else "–")),
-    ("requests per other rank per save", _opt("rank_requests_per_save", ".0f")),
+        f"{r['plans_coordinator_requests']:.0f} / {r['results_coordinator_requests']:.0f}")),
+    ("requests per other rank per save (cached save)", _pair(
+        "rank_requests_per_save", "rank_requests_per_cached_save", 1, ".0f", "{} ({})")),
     ("payload KB per rank", _opt("payload_bytes_per_rank", ".1f", 1e3)),
-    ("gathered MB: miss (padded)", lambda r: (
-        f"{r['miss_bytes'] / 1e6:.2f} ({r['miss_padded_bytes'] / 1e6:.2f})"
-        if "miss_bytes" in r else "–")),
-    ("gathered MB: cache hit (padded)", lambda r: (
-        f"{r['hit_bytes'] / 1e6:.2f} ({r['hit_padded_bytes'] / 1e6:.2f})"
-        if "hit_bytes" in r else "–")),
-    ("pickled objects MB: miss / hit", lambda r: (
-        f"{r['miss_pickled_bytes'] / 1e6:.1f} / {r['hit_pickled_bytes'] / 1e6:.1f}"
-        if "miss_pickled_bytes" in r else "–")),
+    ("write result KB per rank: full / cache hit", _pair(
+        "results_bytes_per_rank", "hit_bytes_per_rank", 1e3, ".2f")),
+]
+
+GLOO_COLUMNS: list[Column] = [
+    ("transport", lambda r: r["transport"]),
+    ("ranks", lambda r: f"{r['ranks']:,}"),
+    ("plans: critical path s", _opt("plans_critical_s")),
+    ("planning s", _opt("plans_compute_s")),
+    ("results: critical path s", _opt("results_critical_s")),
+    ("metadata s", _opt("results_compute_s")),
+    ("cache hit: critical path s", _opt("hit_critical_s")),
+    ("gathered MB per save: miss (padded)", _pair("miss_bytes", "miss_padded_bytes", 1e6,
+                                                   ".3f", "{} ({})")),
+    ("cache hit (padded)", _pair("hit_bytes", "hit_padded_bytes", 1e6, ".3f", "{} ({})")),
+    ("cache hit, full results (padded)", _pair("hit_full_bytes", "hit_full_padded_bytes", 1e6,
+                                                ".2f", "{} ({})")),
+    ("two-level MB: miss / hit", lambda r: (
+        f"{r['miss_two_level_bytes'] / 1e6:.2f} / {r['hit_two_level_bytes'] / 1e6:.2f}"
+        if "miss_two_level_bytes" in r else "–")),
+    ("pickled objects MB: miss / hit", _pair("miss_pickled_bytes", "hit_pickled_bytes", 1e6,
+                                             ".1f")),
 ]
 
 
 def markdown(rows: list[dict]) -> str:
-    """The rows as a Markdown table."""
-    return markdown_table(rows, COLUMNS)
+    """The rows as Markdown tables: the file protocol's, then gloo's."""
+    files = [r for r in rows if r["transport"].startswith("file")]
+    gloo = [r for r in rows if not r["transport"].startswith("file")]
+    return "\n\n".join(markdown_table(part, columns) for part, columns in
+                        ((files, FILE_COLUMNS), (gloo, GLOO_COLUMNS)) if part)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -352,6 +445,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stores", nargs="+", choices=("posix", "s3"), default=["posix", "s3"])
     parser.add_argument("--gloo", nargs="*", type=int, default=[2, 4, 8],
                         help="world sizes of the gloo runs (processes)")
+    parser.add_argument("--gloo-hosts", nargs="*", type=int, default=[1, 2],
+                        help="simulated hosts of the gloo runs (1: the real host; more: "
+                             "the two-level gather through their leaders)")
     parser.add_argument("--gloo-ranks", type=int, default=10240,
                         help="ranks of the computed gloo bytes (0: none)")
     parser.add_argument("--repeat", type=int, default=1)
@@ -359,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scratch", default=None)
     args = parser.parse_args(argv)
     print(markdown(run(args.out, ranks=args.ranks, stores=args.stores, gloo=args.gloo,
-                       gloo_ranks=args.gloo_ranks, repeat=args.repeat, scratch=args.scratch)))
+                       gloo_hosts=args.gloo_hosts, gloo_ranks=args.gloo_ranks,
+                       repeat=args.repeat, scratch=args.scratch)))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,11 @@ def _merge_decls(plans: list[SavePlan]) -> dict[str, TensorDecl]:
     """Every tensor's declaration; raises if ranks disagree on one."""
     decls: dict[str, TensorDecl] = {}
     first_rank: dict[str, int] = {}
+    merged: set[int] = set()  # tables already merged (decoded plans share theirs)
     for rank, plan in enumerate(plans):
+        if id(plan.tensors) in merged:
+            continue
+        merged.add(id(plan.tensors))
         for fqn, decl in plan.tensors.items():
             seen = decls.setdefault(fqn, decl)
             if seen is decl or (seen.shape == decl.shape and seen.dtype == decl.dtype):
@@ -280,9 +284,13 @@ class _Columns:
         names: list[str] = []
         index: dict[str, int] = {}
         fqns = []
+        known: dict[tuple[str, ...], np.ndarray] = {}  # ranks of a replica group: one table
         for c in per_plan:
-            ids = np.array([index.setdefault(n, len(index)) for n in c.names] or [0],
-                           dtype=np.int64)
+            table = tuple(c.names)
+            ids = known.get(table)
+            if ids is None:
+                ids = known[table] = np.array(
+                    [index.setdefault(n, len(index)) for n in c.names] or [0], dtype=np.int64)
             fqns.append(ids[c.fqn])
         names = list(index)
 

@@ -35,15 +35,15 @@ One step of the save with key ``K`` (names relative to the checkpoint root;
 Payloads are :mod:`dcp.coordination.wire`'s versioned, zstd-compressed
 columns, never pickles.
 
-Polls (:func:`poll_times`): a wait polls at its start, then after a first
-pause, then each time :data:`POLL_LATENESS` (25%) later than the time before,
-measured from the start of the wait.  So what a rank waits for is noticed at
-most 25% of its wait late, and a wait of ``T`` seconds polls about ``2 +
-log(T / first) / log(1.25)`` times whatever the world size and the storage's
-speed: at most 62 polls in a 600 s wait from a 1 ms first pause, about 23
-for a step a hundred times the first pause.  The first pause of a rank waiting for an
-answer grows with the world (:func:`answer_first_poll`: the coordinator
-takes at least about 0.1 ms per rank), that of the coordinator's sweeps of
+Polls (:func:`poll_times`): a wait polls at its start and after a first
+pause; then the pause doubles up to :data:`POLL_FLOOR` (50 ms), and grows
+beyond it once that is under :data:`POLL_LATENESS` (25%) of the time waited.
+So what a rank waits for is noticed at most 50 ms or 25% of its wait late
+(whichever is more), and a wait of ``T`` seconds polls about ``log(T / 0.2
+s) / log(1.25)`` times beyond its first ten, whatever the world size and
+the storage's speed: 24 in a 5 s wait, 45 in a 600 s one (from a 1 ms
+first pause).  The first pause of a rank waiting for an answer grows with
+the world (:func:`answer_first_poll`), that of the coordinator's sweeps of
 the missing inputs is 1 ms; a sweep reads only the inputs still missing, in
 batches of several per read-pool task.
 
@@ -75,8 +75,10 @@ from dcp.core.storage import StoragePlugin
 from dcp.errors import CheckpointError
 
 EXCHANGE_PREFIX = ".exchange."
-#: The most a poll notices late what it waits for, as a fraction of the wait.
+#: The most a poll notices late what it waits for: this fraction of the
+#: wait, or :data:`POLL_FLOOR` seconds if that is more.
 POLL_LATENESS = 0.25
+POLL_FLOOR = 0.05
 _FIRST_POLL = 0.001  # seconds: the coordinator's first pause
 #: The most concurrent reads of the coordinator.
 MAX_READ_POOL = 64
@@ -91,17 +93,19 @@ ENTRY_BYTES = _ENTRY.size  # 32
 
 def poll_times(first: float) -> Iterator[float]:
     """Seconds after the start of a wait at which to poll: 0, ``first``,
-    then each :data:`POLL_LATENESS` later than the one before."""
+    then pauses that double up to :data:`POLL_FLOOR` and are at least
+    :data:`POLL_LATENESS` of the time waited."""
     yield 0.0
-    at = first
+    at, pause = first, first
     while True:
         yield at
-        at *= 1 + POLL_LATENESS
+        pause = max(min(2 * pause, POLL_FLOOR), POLL_LATENESS * at)
+        at += pause
 
 
 def answer_first_poll(world_size: int) -> float:
     """The first pause of a rank polling for an answer (seconds): 50 us per
-    rank, at least 1 ms (the coordinator's step takes about ten times that:
+    rank, at least 1 ms (the coordinator's step takes several times that:
     it reads, decodes and answers each rank)."""
     return max(_FIRST_POLL, world_size * 5e-5)
 
