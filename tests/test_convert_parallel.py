@@ -179,6 +179,24 @@ def test_a_corrupt_chunk_fails_the_import_naming_tensor_and_file_and_commits_not
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
 
 
+def test_conversion_files_are_listed_as_orphans_and_replaced_on_overwrite(tmp_path):
+    from dcp.core.storage import open_storage
+    from dcp.orchestration.inventory import inspect_checkpoint
+
+    src, ckpt = _hf_folder(tmp_path / "hf"), tmp_path / "ckpt"
+    safetensors_to_checkpoint(str(src), str(ckpt), buffer_bytes=BUDGET)
+    first = {p.name for p in ckpt.iterdir()} - {"metadata.json"}
+    assert first and all(n.startswith("convert-") for n in first)
+    stale = ckpt / "convert-00042.0123456789abcdef.data"  # an interrupted conversion's
+    stale.write_bytes(b"x" * 10)
+    inventory = inspect_checkpoint(open_storage(str(ckpt)))
+    assert inventory.state == "complete" and list(inventory.orphans) == [stale.name]
+    safetensors_to_checkpoint(str(src), str(ckpt), buffer_bytes=BUDGET, overwrite=True)
+    now = {p.name for p in ckpt.iterdir()}
+    assert not now & first and stale.name not in now
+    assert not inspect_checkpoint(open_storage(str(ckpt))).orphans
+
+
 def test_byte_budget_holds_at_most_its_capacity_but_lets_a_larger_request_pass_alone():
     budget = ByteBudget(10)
     budget.acquire(6)

@@ -56,7 +56,7 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.interop.streaming import check_readable
+from dcp.interop.streaming import check_readable, conversion_data
 from dcp.orchestration.save import (
     DATA_SUFFIX,
     commit_metadata,
@@ -377,7 +377,7 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
             raise CheckpointError(f"committing {METADATA_FILE!r} of {dest.checkpoint_id!r} "
                                   f"failed: {e}") from e
         if overwrite:
-            delete_stale(dest, out.files(), lambda name: True)
+            delete_stale(dest, out.files(), lambda name: True, conversion_data)
         return out
 
     return run_collectively(ranks, work, finish, lambda: dest.delete(written))

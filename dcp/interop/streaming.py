@@ -47,6 +47,7 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError
+from dcp.orchestration.inventory import file_kind
 from dcp.orchestration.save import (
     DATA_SUFFIX,
     commit_metadata,
@@ -73,6 +74,12 @@ class ExportResult:
     tensors: int = 0
     nbytes: int = 0
     skipped: list[str] = field(default_factory=list)
+
+
+def conversion_data(name: str) -> bool:
+    """Whether ``name`` is a data file a save or a conversion writes (a
+    checkpoint overwritten by a conversion may hold either)."""
+    return file_kind(name) == "data"
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
@@ -306,7 +313,7 @@ class CheckpointWriter:
         if self._pending:
             self._flush()
         if self._pickled:
-            name = f"objects.{self.metadata.save_id}{DATA_SUFFIX}"
+            name = f"convert-objects.{self.metadata.save_id}{DATA_SUFFIX}"
             self._write(name, place_pickled(name, self._pickled, self.metadata))
         try:
             commit_metadata(self.storage, METADATA_FILE, self.metadata, self.overwrite)
@@ -318,5 +325,6 @@ class CheckpointWriter:
                 f"failed: {e}") from e
         self._committed = True
         if self.overwrite:
-            delete_stale(self.storage, self.metadata.files(), lambda name: True)
+            delete_stale(self.storage, self.metadata.files(), lambda name: True,
+                         conversion_data)
         return self.metadata

@@ -34,6 +34,8 @@ from dcp.orchestration.save import is_data_file
 _RANK_METADATA = re.compile(r"metadata\.rank\d{5}\.json")
 #: What a POSIX commit writes before its atomic rename or link.
 _COMMIT_TEMP = re.compile(r"\.metadata[^/]*\.tmp")
+#: The data files a conversion (dcp.interop) writes: ``convert-K.<save id>.data``.
+_CONVERT_DATA = re.compile(r"convert-[^/]*\.data")
 
 COMPLETE, INCOMPLETE, DAMAGED = "complete", "incomplete", "damaged"
 
@@ -44,7 +46,7 @@ def file_kind(name: str) -> str | None:
     ``None`` for a file hyperdcp does not write there."""
     if name == METADATA_FILE or _RANK_METADATA.fullmatch(name):
         return "metadata"
-    if is_data_file(name):
+    if is_data_file(name) or _CONVERT_DATA.fullmatch(name):
         return "data"
     if name.startswith(EXCHANGE_PREFIX) and "/" not in name:
         return "exchange"
