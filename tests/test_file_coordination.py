@@ -180,6 +180,19 @@ def test_failure_on_one_rank_reaches_all_by_the_shared_answer(tmp_path):
     assert not exchange_files(tmp_path)
 
 
+class _Recording(FileCoordinator):
+    """Keeps, on the coordinator, the kinds of the write results it gathered."""
+
+    kinds: list[set[str]]
+
+    def _gather(self, step, phase, obj):
+        parts = super()._gather(step, phase, obj)
+        if parts is not None:
+            self.kinds.append({type(v[3]).__name__ for v, _ in parts
+                               if isinstance(v, tuple) and len(v) == 4})
+        return parts
+
+
 @pytest.mark.parametrize("world", [3, 8, 17])
 def test_saves_load_bit_exact_and_a_cached_save_moves_only_results(tmp_path, world):
     rows, cols = 4 * world + 3, 6
@@ -189,6 +202,7 @@ def test_saves_load_bit_exact_and_a_cached_save_moves_only_results(tmp_path, wor
     boxes = [(min(r * step, rows), max(0, min(step, rows - r * step))) for r in range(world)]
     caches = [PlanCache() for _ in range(world)]
     files_written: list[Counter] = [Counter() for _ in range(world)]
+    gathered: list[set[str]] = []  # the kinds of write results the coordinator got
 
     def save(ckpt, scale: float):
         key = uuid.uuid4().hex[:16]
@@ -198,7 +212,8 @@ def test_saves_load_bit_exact_and_a_cached_save_moves_only_results(tmp_path, wor
             state = {"w": dcp.TensorShard(full[offset:offset + length] * scale, (rows, cols),
                                           (offset, 0)), "bias": bias * scale, "step": world}
             storage = PosixStorage(ckpt, thread_count=1)
-            coord = FileCoordinator(storage, key, r, world, timeout=60.0)
+            coord = _Recording(storage, key, r, world, timeout=60.0)
+            coord.kinds = gathered
             job = _Save(lambda: describe_state(state, False, r, world), storage,
                         default_planner("save"), coord, True)
             done = caches[r].save(job)
@@ -212,8 +227,11 @@ def test_saves_load_bit_exact_and_a_cached_save_moves_only_results(tmp_path, wor
     ckpt = str(tmp_path / "ckpt")
     first = save(ckpt, 1.0)
     assert all(d.exchanged for d in first)
+    gathered.clear()
     second = save(ckpt, 2.0)  # same structure: the plan cache hits on every rank
     assert not any(d.exchanged for d in second)
+    # results relative to the cached plans: no chunk's box travels
+    assert gathered == [{"CachedWriteResult"}], gathered
     assert all(req["write"] == 1 for req in files_written[1:]), files_written  # one step
     assert not exchange_files(tmp_path)
 
