@@ -14,10 +14,10 @@ Measured, each in a fresh process (or a ``torchrun`` job of 2) run under
 the largest process (each process reports its RSS just before the call, so
 import overhead shows separately):
 
-* ``safetensors -> hyperdcp`` and ``hyperdcp -> safetensors`` with 1 and 2
-  processes (:mod:`dcp.interop.safetensors_io`, budget ``BUDGET_BYTES``,
-  data files ``fsync``-ed), and the conversions through PyTorch DCP
-  (:mod:`dcp.interop.torch_dcp_io`, 1 process);
+* ``safetensors -> hyperdcp`` and ``hyperdcp -> safetensors``
+  (:mod:`dcp.interop.safetensors_io`) and the conversions through PyTorch
+  DCP (:mod:`dcp.interop.torch_dcp_io`), each with 1 and 2 processes,
+  budget ``BUDGET_BYTES``, data files ``fsync``-ed;
 * PyTorch DCP's own tools on the same bytes: ``dcp_to_torch_save``,
   ``torch_save_to_dcp`` and its ``HuggingFaceStorageWriter`` with
   consolidation;
@@ -27,7 +27,9 @@ import overhead shows separately):
   ``sync`` of the copies (the fair baseline for a writer that fsyncs).
 
 Every step reads from a warm page cache (its input was just written).
-Seconds are medians over ``repeat`` runs; MiB/s counts tensor bytes.
+Seconds are medians over ``repeat`` runs, the order of the operations
+reversed on every other run (the first makes the inputs of the later
+ones); MiB/s counts tensor bytes.
 :func:`run` returns the rows and writes ``convert.json`` and ``convert.md``
 into ``out_dir``.
 """
@@ -61,16 +63,19 @@ OPERATIONS = [
     ("hyperdcp -> safetensors", "hyperdcp", "safetensors", 1),
     ("hyperdcp -> safetensors", "hyperdcp", "safetensors", 2),
     ("hyperdcp -> torch-dcp", "hyperdcp", "torch-dcp", 1),
+    ("hyperdcp -> torch-dcp", "hyperdcp", "torch-dcp", 2),
     ("torch-dcp -> hyperdcp", "torch-dcp", "hyperdcp", 1),
+    ("torch-dcp -> hyperdcp", "torch-dcp", "hyperdcp", 2),
     ("torch: dcp_to_torch_save", "torch-dcp", "torch-save", 1),
     ("torch: torch_save_to_dcp", "torch-save", "torch-dcp", 1),
     ("torch: safetensors -> HF writer, consolidated", "safetensors", "safetensors", 1),
     ("load_safetensors, TP over 2 ranks", "safetensors", None, 2),
     ("torch: load_file + slice, TP over 2 ranks", "safetensors", None, 2),
 ]
-#: Memory budget of the hyperdcp safetensors conversions (their default).
+#: Memory budget of the hyperdcp conversions (their default).
 BUDGET_BYTES = 512 << 20
-_BUDGETED = ("safetensors -> hyperdcp", "hyperdcp -> safetensors")
+_BUDGETED = ("safetensors -> hyperdcp", "hyperdcp -> safetensors", "hyperdcp -> torch-dcp",
+             "torch-dcp -> hyperdcp")
 
 
 def _model_shapes(size_gib: float) -> dict[str, tuple[int, ...]]:
@@ -196,8 +201,10 @@ def _child(operation: str, src: str, dst: str) -> None:
             src, dst, buffer_bytes=BUDGET_BYTES, process_group=group),
         "hyperdcp -> safetensors": lambda: checkpoint_to_safetensors(
             src, dst, max_shard_size=SHARD_BYTES, buffer_bytes=BUDGET_BYTES, process_group=group),
-        "hyperdcp -> torch-dcp": lambda: checkpoint_to_torch_dcp(src, dst),
-        "torch-dcp -> hyperdcp": lambda: torch_dcp_to_checkpoint(src, dst, trusted=True),
+        "hyperdcp -> torch-dcp": lambda: checkpoint_to_torch_dcp(
+            src, dst, buffer_bytes=BUDGET_BYTES, process_group=group),
+        "torch-dcp -> hyperdcp": lambda: torch_dcp_to_checkpoint(
+            src, dst, trusted=True, buffer_bytes=BUDGET_BYTES, process_group=group),
         "torch: dcp_to_torch_save": lambda: __import__(
             "torch.distributed.checkpoint.format_utils",
             fromlist=["x"]).dcp_to_torch_save(src, dst),
@@ -287,9 +294,10 @@ def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3,
         _write_model(artifacts["safetensors"], shapes)
         samples: dict[tuple[str, int], list[dict]] = {(op, n): [] for op, _, _, n in OPERATIONS}
         baselines: dict[tuple[str, bool], list[float]] = {}
-        for _ in range(repeat):
+        for turn in range(repeat):
             copied = set()  # cp baselines: once per source format and repeat
-            for operation, source, target, procs in OPERATIONS:
+            for operation, source, target, procs in (OPERATIONS[::-1] if turn % 2 else
+                                                     OPERATIONS):
                 src = artifacts[source]
                 if source not in copied:
                     copied.add(source)
