@@ -1,16 +1,17 @@
 """A small training job run through dcp.CheckpointManager, launched by
 tests/test_manager.py as separate processes (one per rank) so that it can be
-killed with SIGKILL mid-save and relaunched.
+killed with SIGKILL mid-save; :func:`run` is the same job in a process group
+that exists already (the test resumes it in its gloo group).
 
 ``python tests/manager_job.py RANK WORLD PORT ROOT OUT STEPS [--kill-at K]
-[--endpoint URL]``: trains steps ``1..STEPS`` (after resuming from the newest
+[--options JSON]``: trains steps ``1..STEPS`` (after resuming from the newest
 complete step), saving every 2 steps asynchronously; each step draws from
 Python's, NumPy's and torch's generators and advances a per-rank loader
 position.  Rank ``r`` writes one JSON line per step to ``OUT.r``: the step,
 the loss, the draws and the loader position (floats as hex, exact).  With
 ``--kill-at K``, rank 0 kills the whole job (process group: trainers and
 their background save processes) with SIGKILL right after step K's save
-started, while it is in flight.
+started, while it is in flight (a last line says it was).
 """
 
 from __future__ import annotations
@@ -52,6 +53,45 @@ class AppState:
                        optim_state_dict=sd["optim"])
 
 
+def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | None = None,
+        options: dict | None = None) -> None:
+    """The job on this rank of the default process group (module doc)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = {"pos": 0}
+    random.seed(10 + rank)
+    np.random.seed(20 + rank)
+    torch.manual_seed(30 + rank)
+    mgr = dcp.CheckpointManager(root, interval=2, keep_latest=2, storage_options=options,
+                                timeout=60)
+    state = {"app": AppState(model, optim), "loader": dcp.PerRank(loader)}
+    start = mgr.load_latest(state) or 0
+    with open(f"{out}.{rank}", "a") as log:
+        log.write(json.dumps({"resumed": start}) + "\n")
+        for step in range(start + 1, steps + 1):
+            x = torch.randn(4, 8)  # this rank's stream: the data
+            noise = random.random() + float(np.random.rand())
+            loss = (model(x).square().mean() + noise * 0)
+            optim.zero_grad()
+            loss.backward()
+            for prm in model.parameters():  # the data-parallel all-reduce
+                dist.all_reduce(prm.grad)
+                prm.grad /= world
+            mgr.wait_for_staging()
+            optim.step()
+            loader["pos"] += rank + 1
+            log.write(json.dumps({"step": step, "loss": float(loss.detach()).hex(),
+                                  "noise": noise.hex(), "pos": loader["pos"]}) + "\n")
+            log.flush()
+            mgr.save(step, state)
+            if step == kill_at and rank == 0:
+                log.write(json.dumps({"killed": step, "in_flight": mgr.in_flight == step}) + "\n")
+                log.flush()
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+    mgr.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     for name in ("rank", "world", "port"):
@@ -60,47 +100,11 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("steps", type=int)
     p.add_argument("--kill-at", type=int)
-    p.add_argument("--endpoint")
+    p.add_argument("--options", type=json.loads, help="storage_options as JSON")
     a = p.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
-    options = None
-    if a.endpoint:
-        import s3_server
-
-        options = s3_server.options(a.endpoint)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = {"pos": 0}
-    random.seed(10 + a.rank)
-    np.random.seed(20 + a.rank)
-    torch.manual_seed(30 + a.rank)
-    mgr = dcp.CheckpointManager(a.root, interval=2, keep_latest=2, storage_options=options,
-                                timeout=60)
-    state = {"app": AppState(model, optim), "loader": dcp.PerRank(loader)}
-    start = mgr.load_latest(state) or 0
-    with open(f"{a.out}.{a.rank}", "a") as out:
-        out.write(json.dumps({"resumed": start}) + "\n")
-        for step in range(start + 1, a.steps + 1):
-            x = torch.randn(4, 8)  # this rank's stream: the data
-            noise = random.random() + float(np.random.rand())
-            loss = (model(x).square().mean() + noise * 0)
-            optim.zero_grad()
-            loss.backward()
-            for prm in model.parameters():  # the data-parallel all-reduce
-                dist.all_reduce(prm.grad)
-                prm.grad /= a.world
-            mgr.wait_for_staging()
-            optim.step()
-            loader["pos"] += a.rank + 1
-            out.write(json.dumps({"step": step, "loss": float(loss.detach()).hex(),
-                                  "noise": noise.hex(), "pos": loader["pos"]}) + "\n")
-            out.flush()
-            mgr.save(step, state)
-            if step == a.kill_at and a.rank == 0:
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-    mgr.close()
+    run(a.rank, a.world, a.root, a.out, a.steps, a.kill_at, a.options)
     dist.destroy_process_group()
 
 

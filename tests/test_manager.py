@@ -1,8 +1,8 @@
-"""dcp.CheckpointManager: policies and per-rank rules without processes; a
-job killed with SIGKILL during an async save and relaunched (separate
-processes: tests/manager_job.py); retention, preemption and a change of the
-data-parallel degree on 2 real gloo ranks, each on a path, ``shm://`` and
-``s3://`` (moto)."""
+"""dcp.CheckpointManager: policies and per-rank rules without processes; on
+2 real gloo ranks, each on a path, ``shm://`` and ``s3://`` (moto) inside
+one spawned group: a job killed with SIGKILL during an async save (separate
+processes: tests/manager_job.py) and resumed, retention, preemption and a
+change of the data-parallel degree."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dcp
+import manager_job
 import s3_server
 from dcp.manager.manager import POINTER, prune_steps
 from dcp.manager.policies import StepInfo, to_delete
@@ -141,7 +143,7 @@ def test_prune_steps_keeps_what_it_must(tmp_path):
     assert deleted == [2, 3] and _steps_on_disk(root) == [1, 4, 5]
 
 
-# ------------------------------------------- SIGKILL mid-save, then restart
+# ------------------------------- the job SIGKILLed mid-save (separate processes)
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,48 +176,6 @@ def _records(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in Path(f"{out}.{rank}").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("backend", ["posix", "s3"])  # shm: in the 2-rank scenarios below
-def test_sigkill_during_async_save_resumes_bit_exact(tmp_path, backend):
-    """The job (2 ranks, async saves every 2 steps, keep_latest=2) is killed
-    with SIGKILL, trainers and background savers, right after step 6's save
-    started; the relaunch resumes from step 4, the newest complete step, and
-    steps 5 and 6 repeat exactly: losses, every generator's draws, each
-    rank's loader position."""
-    extra: list[str] = []
-    if backend == "posix":
-        root = str(tmp_path / "run")
-    elif backend == "shm":
-        root = f"shm://hyperdcp-test-manager-{uuid.uuid4().hex[:8]}"
-    else:
-        url = s3_server.endpoint()
-        root, extra = s3_server.fresh_url("manager-kill"), ["--endpoint", url]
-    out = tmp_path / "out"
-    try:
-        codes = _launch(2, root, out, 8, "--kill-at", "6", *extra)
-        assert codes[0] == -signal.SIGKILL, codes
-        mgr = dcp.CheckpointManager(root, storage_options=s3_server.options(url)
-                                    if backend == "s3" else None)
-        assert mgr.steps() == [2, 4], mgr.steps()  # step 6 never committed
-        mgr.close()
-        first = [_records(out, r) for r in range(2)]
-        Path(f"{out}.0").rename(f"{out}.first.0")
-        Path(f"{out}.1").rename(f"{out}.first.1")
-        assert _launch(2, root, out, 8, *extra) == [0, 0]
-        for r in range(2):
-            again = _records(out, r)
-            assert again[0] == {"resumed": 4}
-            before = {rec["step"]: rec for rec in first[r] if "step" in rec}
-            after = {rec["step"]: rec for rec in again if "step" in rec}
-            assert sorted(after) == [5, 6, 7, 8]
-            for step in (5, 6):
-                assert after[step] == before[step], (r, step, after[step], before[step])
-            assert after[8]["pos"] == 8 * (r + 1)
-    finally:
-        if backend == "shm":
-            import shutil
-            shutil.rmtree(f"/dev/shm/hyperdcp/{root[len('shm://'):]}", ignore_errors=True)
-
-
 # ------------------------------------------- 2 real ranks: path, shm://, s3://
 def _shared(value_on_rank0):
     box = [value_on_rank0() if dist.get_rank() == 0 else None]
@@ -236,6 +196,55 @@ def _drop_shm(root: str) -> None:
     if root.startswith("shm://") and dist.get_rank() == 0:
         import shutil
         shutil.rmtree(f"/dev/shm/hyperdcp/{root[len('shm://'):]}", ignore_errors=True)
+
+
+def _wait_for(path: Path, timeout: float = 300.0) -> str:
+    """The text of ``path`` once another rank has written it."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} not written within {timeout} s"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@dist_scenario(world_size=2)
+def test_manager_sigkill_during_async_save_then_restart_w2(ctx):
+    """On a path, shm:// and S3: a separate 2-rank job (tests/manager_job.py,
+    async saves every 2 steps, keep_latest=2) is killed with SIGKILL,
+    trainers and background savers, right after step 6's save started,
+    while it is in flight; this group, new processes, resumes it: from step
+    4, the newest complete step (6 never committed), and steps 5 and 6
+    repeat exactly (losses, every generator's draws, each rank's loader
+    position) before training goes on to step 8."""
+    for root, options in _roots(ctx, "kill"):
+        label = root.split("://")[0] if "://" in root else "posix"
+        out, done = ctx.dir / f"first-{label}", ctx.dir / f"{label}.codes"
+        if ctx.rank == 0:  # the job to kill; rank 1 waits without a collective meanwhile
+            codes: object = "the launch raised"
+            try:
+                extra = ["--options", json.dumps(options)] if options else []
+                codes = _launch(2, root, out, 8, "--kill-at", "6", *extra)
+            finally:
+                done.write_text(json.dumps(codes))
+        assert json.loads(_wait_for(done)) == [-signal.SIGKILL] * 2, label
+        first = _records(out, ctx.rank)
+        if ctx.rank == 0:
+            assert first[-1] == {"killed": 6, "in_flight": True}, (label, first[-1])
+        mgr = dcp.CheckpointManager(root, storage_options=options)
+        assert mgr.steps() == [2, 4] and mgr.latest_step() == 4, (label, mgr.steps())
+        mgr.close()
+        ctx.barrier()
+        manager_job.run(ctx.rank, 2, root, str(ctx.dir / f"again-{label}"), 8, options=options)
+        again = _records(ctx.dir / f"again-{label}", ctx.rank)
+        assert again[0] == {"resumed": 4}, (label, again[0])
+        before = {rec["step"]: rec for rec in first if "step" in rec}
+        after = {rec["step"]: rec for rec in again if "step" in rec}
+        assert sorted(after) == [5, 6, 7, 8], label
+        for step in (5, 6):
+            assert after[step] == before[step], (label, step, after[step], before[step])
+        assert after[8]["pos"] == 8 * (ctx.rank + 1)
+        ctx.barrier()
+        _drop_shm(root)
 
 
 @dist_scenario(world_size=2)
