@@ -242,3 +242,31 @@ def test_saves_load_bit_exact_and_a_cached_save_moves_only_results(tmp_path, wor
         assert_bitwise_equal(target["w"], full * scale, f"w at world size {world}")
         assert_bitwise_equal(target["bias"], bias * scale, "bias")
         assert target["step"] == world
+
+
+def test_a_sweep_asks_in_vain_a_bounded_number_of_times(tmp_path):
+    coord = FileCoordinator(PosixStorage(str(tmp_path)), "s", 0, 4000, 1.0, read_threads=4)
+    names = [f"n{i}" for i in range(4000)]
+    asked: list[str] = []
+    lock = threading.Lock()
+
+    def ask(present):
+        def one(name):
+            with lock:
+                asked.append(name)
+            return 1 if present(name) else None
+        return one
+
+    with ThreadPoolExecutor(4) as pool:
+        # every input there: all asked once, yielded in order
+        got = list(coord._sweep(pool, ask(lambda n: True), names))
+        assert [i for i, _ in got] == list(range(4000)) and sorted(asked) == sorted(names)
+        # none there: the sweep stops after 16 misses and what was in flight (8 tasks of 32)
+        asked.clear()
+        got = list(coord._sweep(pool, ask(lambda n: False), names))
+        assert 16 <= len(got) == len(asked) <= 16 + 8 * 32, len(asked)
+        # the first half there: read on until the misses add up
+        asked.clear()
+        got = list(coord._sweep(pool, ask(lambda n: int(n[1:]) < 2000), names))
+        assert 2016 <= len(got) <= 2000 + 16 + 8 * 32 and [i for i, _ in got][:2000] == list(
+            range(2000))

@@ -4,8 +4,8 @@ checkpoint's own storage, with no communicator at all.
 Built for the clusters that choose it: thousands of ranks on a shared
 filesystem or an object store, where object collectives time out.  Per step
 the coordinator makes O(N) storage requests (N reads and one write when the
-ranks arrive together; a sweep for late ones reads only those still
-missing), every other rank O(1) (a write, two ranged reads, a delete, and
+ranks arrive together; a sweep for late ones stops after a bounded number of
+misses), every other rank O(1) (a write, two ranged reads, a delete, and
 polls that back off geometrically: bounded by the timeout, not by N or the
 step's time), and nobody lists a directory.
 
@@ -44,8 +44,10 @@ s) / log(1.25)`` times beyond its first ten, whatever the world size and
 the storage's speed: 24 in a 5 s wait, 45 in a 600 s one (from a 1 ms
 first pause).  The first pause of a rank waiting for an answer grows with
 the world (:func:`answer_first_poll`), that of the coordinator's sweeps of
-the missing inputs is 1 ms; a sweep reads only the inputs still missing, in
-batches of several per read-pool task.
+the missing inputs is 1 ms.  A sweep reads the inputs still missing in rank
+order, up to 32 per read-pool task, and starts no task once ``4 *
+read_threads`` of them were missing: late ranks cost each sweep a bounded
+number of requests, not N (so also :meth:`FileCoordinator.close`'s checks).
 
 Cleanup: a rank deletes its input once it has read the answer;
 :meth:`FileCoordinator.close` on the coordinator deletes the answers once
@@ -63,7 +65,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -197,8 +199,37 @@ class FileCoordinator(CoordinatorBase):
     def _name(self, step: int, what: str) -> str:
         return f"{EXCHANGE_PREFIX}{self.key}.{step:03d}.{what}"
 
-    def _read_inputs(self, names: list[str]) -> list[bytes | None]:
-        return [self.storage.read_exchange(name) for name in names]
+    def _sweep(self, pool: ThreadPoolExecutor, ask: Callable[[str], Any],
+               names: list[str]) -> Iterator[tuple[int, Any]]:
+        """``ask(name)`` (a storage request; ``None``: not there yet) over
+        ``names`` in order, up to 32 per pool task and at most ``2 *
+        read_threads`` tasks in flight, yielding each ``(index, answer)`` in
+        order (handled here while the pool asks on).  No task starts once
+        ``4 * read_threads`` answers were misses: a sweep asks in vain a
+        bounded number of times, so the sweeps of a wait cost O(N) requests
+        in all, plus a bounded number per sweep."""
+        threads = self.read_threads
+        size = max(1, min(32, -(-len(names) // (4 * threads))))
+        tasks = iter([list(range(i, min(i + size, len(names))))
+                      for i in range(0, len(names), size)])
+
+        def run(task: list[int]) -> list[Any]:
+            return [ask(names[i]) for i in task]
+
+        flying: deque = deque()
+        misses = 0
+        while True:
+            while len(flying) < 2 * threads and misses < 4 * threads:
+                task = next(tasks, None)
+                if task is None:
+                    break
+                flying.append((task, pool.submit(run, task)))
+            if not flying:
+                return
+            task, future = flying.popleft()
+            for i, answer in zip(task, future.result(), strict=True):
+                misses += answer is None
+                yield i, answer
 
     def _gather(self, step, phase, obj):
         if not self.is_coordinator:
@@ -212,23 +243,20 @@ class FileCoordinator(CoordinatorBase):
         pending = list(names)
 
         def sweep() -> bool | None:
-            """Read the missing inputs; ``True`` once none is missing."""
+            """Read missing inputs (decoded as they arrive); ``True`` once
+            none is missing."""
             nonlocal pending
-            # a few batches per reader: few tasks, and decoded here as they
-            # arrive while the pool reads on
-            size = max(1, -(-len(pending) // (4 * self.read_threads)))
-            batches = [pending[i:i + size] for i in range(0, len(pending), size)]
-            for batch, payloads in zip(batches, pool.map(
-                    self._read_inputs, [[names[r] for r in b] for b in batches]), strict=True):
-                for rank, payload in zip(batch, payloads, strict=True):
-                    if payload is None:
-                        self.requests["miss"] += 1
-                        continue
-                    self.requests["read"] += 1
-                    try:
-                        parts[rank] = wire.decode(payload, names[rank])
-                    except CheckpointError as e:
-                        parts[rank] = (None, failure_of(rank, str(e)))
+            for i, payload in self._sweep(pool, self.storage.read_exchange,
+                                          [names[r] for r in pending]):
+                rank = pending[i]
+                if payload is None:
+                    self.requests["miss"] += 1
+                    continue
+                self.requests["read"] += 1
+                try:
+                    parts[rank] = wire.decode(payload, names[rank])
+                except CheckpointError as e:
+                    parts[rank] = (None, failure_of(rank, str(e)))
             pending = [r for r in pending if r not in parts]
             return None if pending else True
 
@@ -280,9 +308,13 @@ class FileCoordinator(CoordinatorBase):
 
         def gone() -> bool | None:
             nonlocal pending
-            self.requests["exists"] += len(pending)
-            pending = [n for n, there in zip(pending, pool.map(self.storage.exists, pending),
-                                             strict=True) if there]
+            left = set(pending)
+            for i, deleted in self._sweep(pool, lambda n: None if self.storage.exists(n) else 1,
+                                          pending):
+                self.requests["exists"] += 1
+                if deleted:
+                    left.discard(pending[i])
+            pending = [n for n in pending if n in left]
             return None if pending else True
 
         if pending:
