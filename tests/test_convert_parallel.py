@@ -206,3 +206,33 @@ def test_byte_budget_holds_at_most_its_capacity_but_lets_a_larger_request_pass_a
     budget.acquire(25)  # larger than the whole budget: granted once nothing is held
     assert budget.peak == 25
     budget.release(25)
+
+
+def test_byte_budget_grants_one_waiter_when_every_holder_waits():
+    import threading
+
+    budget = ByteBudget(10)
+    budget.acquire(6)  # file A's buffer
+    budget.acquire(4)  # file B's
+    granted: list[str] = []
+
+    def wait(name: str, n: int, holding: int) -> None:
+        budget.acquire(n, holding=holding)
+        granted.append(name)
+
+    a = threading.Thread(target=wait, args=("a", 5, 6), daemon=True)
+    a.start()
+    a.join(0.5)
+    assert a.is_alive() and not granted  # B still holds bytes and is not waiting: A waits
+    b = threading.Thread(target=wait, args=("b", 5, 4), daemon=True)
+    b.start()  # now every holder waits: one of them is granted, the other waits on
+    for _ in range(100):
+        if granted:
+            break
+        threading.Event().wait(0.05)
+    assert len(granted) == 1 and budget.held == 15
+    first = granted[0]
+    budget.release({"a": 6 + 5, "b": 4 + 5}[first])  # the granted file finishes
+    a.join(5)
+    b.join(5)
+    assert sorted(granted) == ["a", "b"] and not a.is_alive() and not b.is_alive()

@@ -76,17 +76,25 @@ class ByteBudget:
     """A counting semaphore of bytes.  :meth:`acquire` waits until ``n``
     bytes fit; a request larger than the whole budget is granted once
     nothing else is held (so one tensor larger than the budget passes
-    alone, and nothing waits forever)."""
+    alone), and a waiter that holds bytes itself says how many
+    (``holding``): when every byte held belongs to a waiter, nothing would
+    ever be released, so one of them is granted (the budget is then
+    exceeded by at most that one request) and nothing waits forever."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, int(capacity))
         self.held = 0
         self.peak = 0
+        self._stuck = 0  # bytes held by waiters
         self._cv = threading.Condition()
 
-    def acquire(self, n: int) -> None:
+    def acquire(self, n: int, holding: int = 0) -> None:
         with self._cv:
-            self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.capacity)
+            self._stuck += holding
+            self._cv.notify_all()  # others may now be all waiters
+            self._cv.wait_for(lambda: self.held == 0 or self.held + n <= self.capacity
+                              or self.held <= self._stuck)
+            self._stuck -= holding
             self.held += n
             self.peak = max(self.peak, self.held)
 
@@ -412,12 +420,15 @@ class Reader(Protocol):
 
 class _ReadAhead(Sequence):
     """The buffers of one :class:`OutputFile` for ``write_file``: the
-    header, then each tensor, read by ``read`` (and cast) by ``pool`` ahead of the
-    writer while the bytes in flight fit ``budget``, shared by every file
-    written at once.  A buffer's bytes leave the budget when the writer asks
-    for the next one.  Only a file holding nothing of the budget waits for
-    it (so the files holding some always progress: no deadlock), and a
-    tensor larger than the budget passes alone."""
+    header, then each tensor, read (by ``read`` where it reads it) and cast
+    by ``pool`` ahead of the writer while the bytes in flight fit
+    ``budget``, shared by every file written at once.  A buffer's bytes
+    leave the budget when the writer asks for the one after the next: the
+    writer's loop still holds the buffer it has just written when it asks
+    for the next (so the budget counts what is alive).  A file waits for
+    the budget only for the tensor it must return now (or its first), and
+    says what it holds, so the budget never lets every file wait (no
+    deadlock); a tensor larger than the budget passes alone."""
 
     def __init__(self, out: OutputFile, storage: StoragePlugin, pool: ThreadPoolExecutor,
                  budget: ByteBudget, on_bytes: Callable[[int], None] | None,
@@ -462,13 +473,14 @@ class _ReadAhead(Sequence):
         tensors.copy_into(tensors.from_bytes(tensors.bytes_of(out), cast, meta.shape), source)
         return out
 
-    def _submit_ahead(self) -> None:
-        """Submit reads in order while they fit the budget."""
+    def _submit_ahead(self, need: int) -> None:
+        """Submit reads in order while they fit the budget, waiting for it
+        up to tensor ``need`` (the one the writer asks for now)."""
         with self.lock:
             while self.next < len(self.out.tensors):
                 size = self._size(self.next)
-                if not self.held:
-                    self.budget.acquire(size)
+                if self.next <= need or not self.held:
+                    self.budget.acquire(size, holding=self.held)
                 elif not self.budget.try_acquire(size):
                     return
                 self.held += size
@@ -481,11 +493,11 @@ class _ReadAhead(Sequence):
             raise IndexError(i)
         i %= len(self)
         if i == 0:
-            self._submit_ahead()
+            self._submit_ahead(-1)
             return self.out.header
-        for done in [k for k in self.futures if k < i - 1]:
+        for done in [k for k in self.futures if k < i - 2]:  # dead: the writer let go of it
             self._drop(done)
-        self._submit_ahead()
+        self._submit_ahead(i - 1)
         if i - 1 not in self.futures:
             raise CheckpointError(f"{self.out.name!r}: buffer {i} asked for out of order")
         view = self.futures[i - 1].result()
