@@ -612,15 +612,22 @@ def absolute_result(cached: CachedWriteResult, plan: SavePlan, local: SavePlan,
                                   f"cached plan of {len(table)} items")
     if len(cached.file) and (cached.file.min() < 0 or cached.file.max() >= len(cached.files)):
         raise CheckpointError(f"rank {rank}'s write result names a file outside its table")
-    strings = [*c.names, *held.names, *cached.files]
-    base_local, base_files = len(c.names), len(c.names) + len(held.names)
     item, (prow, pval), (rrow, rval) = cached.item, cached.prints, cached.replicas
+    # one string table of the names used (a planner's final plans share the
+    # table of every name in the world), then the files
+    used, index = np.unique(np.concatenate([c.fqn[item], c.fqn[prow]]), return_inverse=True)
+    held_used, held_index = np.unique(held.fqn[rrow], return_inverse=True)
+    strings = [*(c.names[i] for i in used.tolist()),
+               *(held.names[i] for i in held_used.tolist()), *cached.files]
+    index = index.reshape(-1)
+    fqn, print_fqn = index[:len(item)], index[len(item):]
+    replica_fqn = held_index.reshape(-1) + len(used)
     columns = ResultColumns(
-        strings, c.fqn[item], cached.file + base_files, c.ndim[item], _rows(c, item, c.offsets),
-        _rows(c, item, c.sizes), cached.at, c.nbytes[item], cached.crc,
-        np.full(len(item), rank, dtype=np.int64),
-        (c.fqn[prow], c.ndim[prow], _rows(c, prow, c.offsets), pval),
-        (held.fqn[rrow] + base_local, held.ndim[rrow], _rows(held, rrow, held.offsets), rval))
+        strings, fqn, cached.file + len(used) + len(held_used), c.ndim[item],
+        _rows(c, item, c.offsets), _rows(c, item, c.sizes), cached.at, c.nbytes[item],
+        cached.crc, np.full(len(item), rank, dtype=np.int64),
+        (print_fqn, c.ndim[prow], _rows(c, prow, c.offsets), pval),
+        (replica_fqn, held.ndim[rrow], _rows(held, rrow, held.offsets), rval))
     return _decoded_result(columns, cached.json_values, cached.pickled)
 
 
