@@ -148,14 +148,20 @@ def _tp_target(src: str, rank: int, world: int):
     return target
 
 
-def _load_file_and_slice(src: str, rank: int, world: int) -> None:
+def _load_file_and_slice(src: str, rank: int, world: int) -> list:
+    """Every file read with ``load_file``, each 2-D tensor's row shard of
+    this rank copied out (the 1-D tensors kept whole): the shards the TP
+    model holds, as :func:`_tp_target` gives them to ``load_safetensors``."""
     from safetensors.torch import load_file
 
+    shards = []
     for file in sorted(Path(src).glob("*.safetensors")):
         for t in load_file(file).values():
             if t.dim() >= 2:
                 rows = -(-t.shape[0] // world)
-                t[rank * rows:(rank + 1) * rows].clone()
+                t = t[rank * rows:(rank + 1) * rows].clone()
+            shards.append(t)
+    return shards
 
 
 def _hf_consolidated(src: str, dst: str) -> None:

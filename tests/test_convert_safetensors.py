@@ -181,6 +181,10 @@ def test_load_straight_from_safetensors_reads_only_the_shard(tmp_path):
     assert_bitwise_equal(target["b"], sd["b"])
     assert report.unexpected_keys == ["extra"]
     assert report.bytes_read == shard.numel() * 2 + 6 * 4  # ranged reads: only what is held
+    # whole chunks are copied out of the page cache's mapping, as from a checkpoint
+    name = next(p.name for p in folder.iterdir() if p.suffix == ".safetensors")
+    with SafetensorsFolder(str(folder)).mapped(name) as mapping:
+        assert mapping is not None and bytes(mapping) == (folder / name).read_bytes()
 
     bad = {"w": torch.zeros(10, 6, dtype=torch.float32)}
     with pytest.raises(dcp.CheckpointError) as e:

@@ -5,8 +5,8 @@ safetensors folder (:class:`~dcp.interop.safetensors_io.SafetensorsFolder`)
 or a checkpoint seen through a remapping
 (:class:`~dcp.interop.remap.RemappedView`).  Each supplies its own
 :attr:`ReadOnlyView.metadata`; everything else — reads of the tensor bytes,
-their read cost, listings — goes to the plugin that holds the files, and
-writing raises.
+their read cost, the memory mapping a load copies whole chunks out of,
+listings — goes to the plugin that holds the files, and writing raises.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class ReadOnlyView(StoragePlugin):
 
     def read_requests(self, name, requests) -> None:
         self.inner.read_requests(name, requests)
+
+    def mapped(self, name: str):
+        return self.inner.mapped(name)  # the page-cache copies of the plugin holding the files
 
     def exists(self, name: str) -> bool:
         return name == METADATA_FILE or self.inner.exists(name)
