@@ -37,17 +37,18 @@ columns, never pickles.
 
 Polls (:func:`poll_times`): a wait polls at its start and after a first
 pause; then the pause doubles up to :data:`POLL_FLOOR` (50 ms), and grows
-beyond it once that is under :data:`POLL_LATENESS` (25%) of the time waited.
-So what a rank waits for is noticed at most 50 ms or 25% of its wait late
-(whichever is more), and a wait of ``T`` seconds polls about ``log(T / 0.2
-s) / log(1.25)`` times beyond its first ten, whatever the world size and
-the storage's speed: 24 in a 5 s wait, 45 in a 600 s one (from a 1 ms
-first pause).  The first pause of a rank waiting for an answer grows with
-the world (:func:`answer_first_poll`), that of the coordinator's sweeps of
-the missing inputs is 1 ms.  A sweep reads the inputs still missing in rank
-order, up to 32 per read-pool task, and starts no task once ``4 *
-read_threads`` of them were missing: late ranks cost each sweep a bounded
-number of requests, not N (so also :meth:`FileCoordinator.close`'s checks).
+beyond it once that is under :data:`POLL_LATENESS` (25%) of the time
+waited.  So what a rank waits for is noticed, once past the first pause, at
+most 50 ms or 25% of its wait late (whichever is more), and a wait of ``T``
+seconds polls about ``log(T / 0.2 s) / log(1.25)`` times beyond its first
+ten, whatever the world size and the storage's speed: 24 in a 5 s wait, 45
+in a 600 s one (from a 1 ms first pause).  The first pause of a rank
+waiting for an answer grows with the world (:func:`answer_first_poll`),
+that of the coordinator's sweeps of the missing inputs is 1 ms.  A sweep
+reads the inputs still missing in rank order, up to 32 per read-pool task,
+and starts no task once ``4 * read_threads`` of them were missing: late
+ranks cost each sweep a bounded number of requests, not N (so also
+:meth:`FileCoordinator.close`'s checks).
 
 Cleanup: a rank deletes its input once it has read the answer;
 :meth:`FileCoordinator.close` on the coordinator deletes the answers once
