@@ -123,6 +123,42 @@ def aligned_bytes(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
+class BufferPool:
+    """Page-aligned buffers (:func:`aligned_bytes`) handed back after use
+    and handed out again, so that a conversion faults in and zeroes its
+    memory once, not once per file.  The buffers kept, in use or free, stay
+    within ``capacity`` bytes (free ones are unmapped to make room; one
+    request larger than that is allocated alone).  Only for buffers whose
+    every user is done when they come back (a write that has returned)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[mmap.mmap] = []
+        self._kept = 0  # bytes of the mappings in use or free
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable, page-aligned buffer of ``nbytes``."""
+        if nbytes == 0:
+            return memoryview(bytearray())
+        with self._lock:
+            fits = [m for m in self._free if len(m) >= nbytes]
+            if fits:
+                best = min(fits, key=len)
+                self._free.remove(best)
+                return memoryview(best)[:nbytes]
+            while self._free and self._kept + nbytes > self.capacity:
+                self._kept -= len(self._free.pop())  # unmapped once its views are gone
+            self._kept += nbytes
+        return memoryview(mmap.mmap(-1, nbytes))
+
+    def give(self, buf: memoryview) -> None:
+        """Hand ``buf`` (from :meth:`take`) back for reuse."""
+        if isinstance(buf.obj, mmap.mmap):
+            with self._lock:
+                self._free.append(buf.obj)
+
+
 # ---- ranks -----------------------------------------------------------------
 
 @dataclass
@@ -320,6 +356,7 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
     tasks = _pack(md, max(1, buffer_bytes // FILES_IN_FLIGHT), dest.alignment)
     mine = [t for t in tasks if ranks.mine(t.index)]
     budget = ByteBudget(buffer_bytes)
+    buffers = BufferPool(buffer_bytes)
     written: list[str] = []
     lock = threading.Lock()
 
@@ -330,8 +367,8 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
         for p in task.pieces:
             check_readable(source, p.fqn, p.meta)
         budget.acquire(task.size)
+        buf = buffers.take(task.size)
         try:
-            buf = aligned_bytes(task.size)
             items = [(p.fqn, p.meta, buf[p.position:p.position + p.meta.nbytes])
                      for p in task.pieces]
             read_tensors(source, items)
@@ -350,7 +387,8 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
             return [(p.fqn, ChunkMeta((0,) * len(p.meta.shape), p.meta.shape, name, p.position,
                                       p.meta.nbytes, crc, ranks.rank))
                     for p, crc in zip(task.pieces, crcs, strict=True)]
-        finally:
+        finally:  # the write has returned (or failed): nothing uses the buffer any more
+            buffers.give(buf)
             budget.release(task.size)
 
     def work() -> list[tuple[str, ChunkMeta]]:
