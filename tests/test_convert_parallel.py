@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dcp
-from dcp.interop.parallel import ByteBudget
+from dcp.interop.parallel import BufferPool, ByteBudget
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
 from dcp.interop.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
 from dist_harness import dist_scenario
@@ -206,6 +206,24 @@ def test_byte_budget_holds_at_most_its_capacity_but_lets_a_larger_request_pass_a
     budget.acquire(25)  # larger than the whole budget: granted once nothing is held
     assert budget.peak == 25
     budget.release(25)
+
+
+def test_buffer_pool_hands_buffers_out_again_within_its_capacity():
+    pool = BufferPool(10 << 20)
+    a = pool.take(4 << 20)
+    assert len(a) == 4 << 20 and not a.readonly
+    a[:3] = b"abc"
+    mapping = a.obj
+    pool.give(a)
+    b = pool.take(3 << 20)  # the free 4 MiB buffer, cut to size
+    assert b.obj is mapping and len(b) == 3 << 20 and bytes(b[:3]) == b"abc"
+    c = pool.take(6 << 20)  # nothing free fits: a new one (4 + 6 MiB kept)
+    assert c.obj is not mapping
+    pool.give(b)
+    pool.give(c)
+    d = pool.take(9 << 20)  # 9 MiB fits no free buffer: both are let go to make room
+    assert d.obj is not mapping and d.obj is not c.obj and pool._kept == 9 << 20
+    assert len(pool.take(0)) == 0
 
 
 def test_byte_budget_grants_one_waiter_when_every_holder_waits():
