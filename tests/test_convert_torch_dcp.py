@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import warnings
+import zipfile
 
 import pytest
 import torch
@@ -176,6 +177,10 @@ def test_model_and_adamw_round_trip_into_nested_state_dicts(tmp_path):
     # back to PyTorch DCP: torch's load fills the nested targets, and converting that again
     # gives the same checkpoint
     checkpoint_to_torch_dcp(str(tmp_path / "ours"), str(tmp_path / "back"))
+    archives = [f for f in (tmp_path / "back").glob("*.distcp") if zipfile.is_zipfile(f)
+                and any(n.endswith("/data/0") for n in zipfile.ZipFile(f).namelist())]
+    assert len(archives) == len(md.tensors)  # one torch.save archive per tensor, CRCs right
+    assert all(zipfile.ZipFile(f).testzip() is None for f in archives)
     third, third_optim = _trained(2)
     target = {"model": third.state_dict(), "optim": third_optim.state_dict()}
     _torch_load(target, tmp_path / "back")

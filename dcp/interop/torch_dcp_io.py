@@ -35,10 +35,12 @@ import contextlib
 import io
 import math
 import pickle
-import threading
+import struct
 import warnings
-import weakref
 import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +49,11 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from tqdm import tqdm
 
 from dcp.core import tensors
@@ -57,13 +61,20 @@ from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta
 from dcp.core.state_dict import flatten
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 from dcp.errors import CheckpointError, NotACheckpointError
-from dcp.interop.parallel import DEFAULT_BUDGET_BYTES, ByteBudget, Ranks, import_checkpoint
+from dcp.interop.parallel import (
+    DEFAULT_BUDGET_BYTES,
+    BufferPool,
+    ByteBudget,
+    Ranks,
+    import_checkpoint,
+    read_tensors,
+)
 from dcp.interop.streaming import (
     CheckpointWriter,
     ExportResult,
+    check_readable,
     progress_bar,
     read_object,
-    read_tensor,
     renamed,
 )
 from dcp.interop.view import ReadOnlyView
@@ -388,58 +399,153 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
         return writer.commit()
 
 
-class _ReadOnDemand(DefaultSavePlanner):
-    """torch's default save planner, given meta tensors to plan with; the
-    real bytes of each tensor are read from our checkpoint when torch's
-    writer resolves its write item, within ``budget``: a tensor's bytes
-    leave it when its writer thread asks for its next one, or when the
-    tensor is freed, whichever comes first."""
+class _Sink(io.RawIOBase):
+    """A seekable file that keeps what is written to it by position."""
 
-    def __init__(self, storage: StoragePlugin, source: dict[str, tuple[str, TensorMeta]],
-                 bar: tqdm, budget: ByteBudget) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.storage = storage
-        self.source = source
-        self.bar = bar
-        self.budget = budget
-        self.held = threading.local()
-        self.error: BaseException | None = None
+        self.parts: list[tuple[int, bytes]] = []
+        self.pos = self.size = 0
 
-    def resolve_data(self, write_item):
-        if write_item.type == WriteItemType.BYTE_IO:
-            return super().resolve_data(write_item)
-        fqn, meta = self.source[write_item.index.fqn]
-        previous = getattr(self.held, "release", None)
-        if previous is not None:  # this writer thread is done with its previous tensor
-            previous()
-        self.budget.acquire(meta.nbytes)
-        try:
-            tensor = read_tensor(self.storage, fqn, meta)
-        except BaseException as e:
-            self.budget.release(meta.nbytes)
-            self.error = self.error or e
-            raise
-        self.held.release = weakref.finalize(tensor, self.budget.release, meta.nbytes)
-        self.bar.update(meta.nbytes)
-        return tensor
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        self.parts.append((self.pos, bytes(b)))
+        self.pos += len(b)
+        self.size = max(self.size, self.pos)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos
+        return self.pos
 
 
-#: Writer threads of an export to PyTorch DCP (each writes one file at a time).
-EXPORT_THREADS = 4
+_U16, _U32 = struct.Struct("<H"), struct.Struct("<I")
+
+
+@dataclass
+class _Frame:
+    """A ``torch.save`` archive of one tensor without its data: the bytes
+    before (``head``) and after (``tail``) its data record, and where the
+    record's CRC-32 goes (zip's local header, data descriptor and central
+    directory: ``(head or tail, offset)``)."""
+
+    head: bytearray
+    tail: bytearray
+    crcs: list[tuple[bytearray, int]]
+
+    def with_crc(self, crc: int) -> tuple[bytes, bytes]:
+        for part, offset in self.crcs:
+            _U32.pack_into(part, offset, crc)
+        return bytes(self.head), bytes(self.tail)
+
+
+def _frame(shape: tuple[int, ...], dtype: torch.dtype) -> _Frame | None:
+    """The archive ``torch.save`` writes for a contiguous CPU tensor of
+    ``shape`` and ``dtype``, without the data (its ``skip_data`` mode,
+    which leaves the record's bytes and CRC out), so the data can be
+    written here with its CRC; ``None`` if the archive is not laid out as
+    expected (one gap, the data record's, of the tensor's size)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    sink = _Sink()
+    with torch.serialization.skip_data():
+        torch.save(torch.empty(shape, dtype=dtype), sink)  # type: ignore[arg-type]  # untouched
+    covered, gap = 0, None
+    for pos, data in sorted(sink.parts):
+        if pos > covered:
+            if gap is not None:
+                return None
+            gap = (covered, pos)
+        covered = max(covered, pos + len(data))
+    if gap is None or gap[1] - gap[0] != nbytes or not nbytes:
+        return None
+    head, tail = bytearray(gap[0]), bytearray(sink.size - gap[1])
+    for pos, data in sink.parts:
+        if pos < gap[0]:
+            head[pos:pos + len(data)] = data
+        else:
+            tail[pos - gap[1]:pos - gap[1] + len(data)] = data
+    entry = tail.find(b"PK\x01\x02")
+    while entry >= 0:  # the central directory entry of the record whose data is the gap
+        n = _U16.unpack_from(tail, entry + 28)[0]
+        at = _U32.unpack_from(tail, entry + 42)[0]  # its local header
+        if head[at:at + 4] == b"PK\x03\x04" and at + 30 + n + _U16.unpack_from(
+                head, at + 28)[0] == gap[0] and head[at + 30:at + 30 + n] == tail[
+                entry + 46:entry + 46 + n]:
+            crcs = [(head, at + 14), (tail, entry + 16)]
+            if _U16.unpack_from(head, at + 6)[0] & 8:  # a data descriptor follows the data
+                crcs.append((tail, 4 if tail[:4] == b"PK\x07\x08" else 0))
+            return _Frame(head, tail, crcs)
+        entry = tail.find(b"PK\x01\x02", entry + 4)
+    return None
 
 
 class _Writer(tdcp.FileSystemWriter):
-    """torch's file writer, failing when one of its threads failed: its
-    extra threads drop their exceptions, so a missing result would
-    otherwise commit a ``.metadata`` without the item."""
+    """torch's file writer (its plan, its ``.metadata``, its values'
+    files), with each tensor's file written here: ``torch.save``'s archive
+    around the tensor's bytes, read from our checkpoint (checksums
+    verified) straight into a buffer that is written as it is, its zip
+    CRC-32 computed by ``zlib``; several files at once, on a thread pool,
+    within a byte budget (:mod:`dcp.interop.parallel`)."""
+
+    def __init__(self, local: str, overwrite: bool, storage: StoragePlugin,
+                 source: dict[str, tuple[str, TensorMeta]], buffer_bytes: int, bar: tqdm) -> None:
+        super().__init__(local, single_file_per_rank=False, overwrite=overwrite)
+        self.local, self.storage, self.source, self.bar = local, storage, source, bar
+        self.buffer_bytes = buffer_bytes
 
     def write_data(self, plan, planner):
-        done = super().write_data(plan, planner)
-        missing = len(plan.items) - len(done.value())
-        if missing:
-            raise getattr(planner, "error", None) or CheckpointError(
-                f"writing {str(self.path)!r}: {missing} of {len(plan.items)} items were not "
-                f"written (a writer thread failed)")
+        values = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        results = super().write_data(replace(plan, items=values), planner).value() if values \
+            else []
+        prefix = plan.storage_data.prefix
+        dest = open_storage(self.local)
+        budget, buffers = ByteBudget(self.buffer_bytes), BufferPool(self.buffer_bytes)
+
+        def write_one(k: int, item) -> WriteResult:
+            fqn, meta = self.source[item.index.fqn]
+            name = f"{prefix}{len(values) + k}{DEFAULT_SUFFIX}"
+            dtype = tensors.torch_dtype(meta.dtype)
+            frame = _frame(meta.shape, dtype)
+            check_readable(self.storage, fqn, meta)
+            budget.acquire(meta.nbytes)
+            buf = buffers.take(meta.nbytes)
+            try:
+                read_tensors(self.storage, [(fqn, meta, buf)])
+                if frame is None:  # torch lays this one out otherwise: its own torch.save
+                    sink = io.BytesIO()
+                    torch.save(tensors.from_bytes(tensors.bytes_of(buf), meta.dtype, meta.shape),
+                               sink)
+                    parts: list = [sink.getbuffer()]
+                else:
+                    head, tail = frame.with_crc(zlib.crc32(buf))
+                    parts = [head, buf, tail]
+                try:
+                    dest.write_file(name, parts)
+                except Exception as e:
+                    raise CheckpointError(f"writing {name!r} ({fqn!r}) to {self.local!r} failed: "
+                                          f"{e}") from e
+                self.bar.update(meta.nbytes)
+                size = sum(len(p) for p in parts)
+                return WriteResult(index=item.index, size_in_bytes=size,
+                                   storage_data=_StorageInfo(name, 0, size))
+            finally:
+                buffers.give(buf)
+                budget.release(meta.nbytes)
+
+        with ThreadPoolExecutor(max(1, min(dest.thread_count, len(items)))) as pool:
+            futures = [pool.submit(write_one, k, item) for k, item in enumerate(items)]
+            results += [f.result() for f in futures]
+        done: Future = Future()
+        done.set_result(results)
         return done
 
 
@@ -463,11 +569,12 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
     """Export a checkpoint as a PyTorch DCP checkpoint that
     ``torch.distributed.checkpoint.load`` reads.
 
-    torch's own writer writes it (so its format is torch's, one ``.distcp``
-    file per tensor), from :data:`EXPORT_THREADS` threads at once; each
-    tensor is consolidated from its chunks (checksums verified) when a
-    writer thread asks for it, with the tensors held at once within
-    ``buffer_bytes`` (a larger one passes alone).  With a ``process_group``
+    torch's planner and writer make its ``.metadata`` and its values'
+    files; each tensor's file (one ``.distcp`` each) is the archive
+    ``torch.save`` writes, written here (:class:`_Writer`): the tensor is
+    consolidated from its chunks (checksums verified) straight into the
+    buffer that is written, several files at once, the tensors held at
+    once within ``buffer_bytes`` (a larger one passes alone).  With a ``process_group``
     each rank of it writes a share of the tensors (balanced by bytes)
     through torch's collective save, one ``.metadata`` in all.  Non-tensor
     values are handed to torch (rank 0's), which flattens nested ones as it
@@ -520,9 +627,8 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
     source = {names[fqn]: (fqn, md.tensors[fqn]) for fqn in mine}
     with progress_bar(sum(md.tensors[f].nbytes for f in mine), "export", progress) as bar:
         try:
-            writer = _Writer(local, single_file_per_rank=False,
-                             thread_count=EXPORT_THREADS, overwrite=overwrite)
-            planner = _ReadOnDemand(storage, source, bar, ByteBudget(buffer_bytes))
+            writer = _Writer(local, overwrite, storage, source, buffer_bytes, bar)
+            planner = DefaultSavePlanner()
             with _single_process():
                 if ranks.world_size == 1:
                     saved = tdcp.save(state, storage_writer=writer, no_dist=True,
