@@ -13,11 +13,13 @@
   otherwise (through a stream extension, strided) sends the conversion
   through torch's own loader instead.  Keys are regrouped by the paths
   torch records (``planner_data``), so nested state dicts round-trip.
-* **export** (:func:`checkpoint_to_torch_dcp`): torch's own writer, given
-  placeholder (meta) tensors to plan with, several writer threads, and
-  each real tensor read from our checkpoint only when a thread asks for it
-  (within a byte budget); over a job's ranks, each writes a share through
-  torch's collective save.
+* **export** (:func:`checkpoint_to_torch_dcp`): torch's own planner and
+  writer, given placeholder (meta) tensors to plan with, write the
+  ``.metadata`` and the values; each tensor's file is ``torch.save``'s
+  archive written here around the tensor's bytes (read straight from our
+  checkpoint into the buffer written, within a byte budget, several files
+  at once); over a job's ranks, each writes a share through torch's
+  collective save.
 
 Both take local paths (or ``file://`` URIs) for the PyTorch DCP side.
 
