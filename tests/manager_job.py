@@ -11,7 +11,8 @@ position.  Rank ``r`` writes one JSON line per step to ``OUT.r``: the step,
 the loss, the draws and the loader position (floats as hex, exact).  With
 ``--kill-at K``, rank 0 kills the whole job (process group: trainers and
 their background save processes) with SIGKILL right after step K's save
-started, while it is in flight (a last line says it was).
+started (with 64 MiB of ballast), while it is in flight (a last line says
+it was).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class AppState:
                        optim_state_dict=sd["optim"])
 
 
+#: float32 elements (64 MiB, half written by each of 2 ranks) added to the
+#: state of the step whose save is killed: the small model alone saves in a
+#: few milliseconds, which a loaded machine can let pass between ``save``
+#: returning and the kill.
+BALLAST_ELEMENTS = 16 << 20
+
+
 def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | None = None,
         options: dict | None = None) -> None:
     """The job on this rank of the default process group (module doc)."""
@@ -84,7 +92,10 @@ def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | N
             log.write(json.dumps({"step": step, "loss": float(loss.detach()).hex(),
                                   "noise": noise.hex(), "pos": loader["pos"]}) + "\n")
             log.flush()
-            mgr.save(step, state)
+            if step == kill_at:  # a checkpoint of some size, still persisting at the kill
+                mgr.save(step, {**state, "ballast": torch.zeros(BALLAST_ELEMENTS)})
+            else:
+                mgr.save(step, state)
             if step == kill_at and rank == 0:
                 log.write(json.dumps({"killed": step, "in_flight": mgr.in_flight == step}) + "\n")
                 log.flush()
