@@ -449,6 +449,10 @@ class Reader(Protocol):
     def reads_whole(self, fqn: str) -> bool:
         """Whether it reads ``fqn``."""
 
+    def check_readable(self, fqn: str) -> None:
+        """Raise, naming ``fqn``, if its sources' files are short (before
+        its memory is allocated)."""
+
     def read_whole(self, fqn: str, out: memoryview) -> None:
         """Fill ``out`` with the row-major bytes of the whole ``fqn``."""
 
@@ -498,11 +502,15 @@ class _ReadAhead(Sequence):
 
     def _fetch(self, i: int) -> memoryview:
         fqn, meta, cast = self.out.tensors[i]
-        raw = aligned_bytes(meta.nbytes)
-        if self.read is not None and self.read.reads_whole(fqn):
-            self.read.read_whole(fqn, raw)
+        whole = self.read is not None and self.read.reads_whole(fqn)
+        if whole:
+            self.read.check_readable(fqn)  # type: ignore[union-attr]
         else:
-            check_readable(self.storage, fqn, meta)
+            check_readable(self.storage, fqn, meta)  # before its memory is allocated
+        raw = aligned_bytes(meta.nbytes)
+        if whole:
+            self.read.read_whole(fqn, raw)  # type: ignore[union-attr]
+        else:
             read_tensors(self.storage, [(fqn, meta, raw)])
         if cast is None or cast == meta.dtype or not meta.nbytes:
             return raw

@@ -419,6 +419,13 @@ class RemappedView(ReadOnlyView):
         """Whether ``fqn`` is a staged target (read by :meth:`read_whole`)."""
         return fqn in self.remapped.staged
 
+    def check_readable(self, fqn: str) -> None:
+        """Read the last byte of each chunk of each source of the staged
+        target ``fqn``: raises :class:`~dcp.CorruptCheckpointError` naming
+        the source and file if one is short."""
+        for piece in self.remapped.staged[fqn].pieces:
+            check_readable(self.inner, piece.source, piece.meta)
+
     def read_whole(self, fqn: str, out: memoryview) -> None:
         """Read the whole staged target ``fqn`` into ``out`` (its row-major
         bytes): each source is read whole (checksums verified), one at a
@@ -428,7 +435,6 @@ class RemappedView(ReadOnlyView):
         target = tensors.from_bytes(tensors.bytes_of(out), plan.dtype, plan.shape)
         u = target.permute(_inverse_perm(plan.perm))
         for piece, lo, hi in plan.parts((0,) * len(plan.shape), plan.shape):
-            check_readable(self.inner, piece.source, piece.meta)
             raw = aligned_bytes(piece.meta.nbytes)
             read_tensors(self.inner, [(piece.source, piece.meta, raw)])
             whole = tensors.from_bytes(tensors.bytes_of(raw), piece.meta.dtype, piece.meta.shape)

@@ -515,9 +515,8 @@ class _Writer(tdcp.FileSystemWriter):
         def write_one(k: int, item) -> WriteResult:
             fqn, meta = self.source[item.index.fqn]
             name = f"{prefix}{len(values) + k}{DEFAULT_SUFFIX}"
-            dtype = tensors.torch_dtype(meta.dtype)
-            frame = _frame(meta.shape, dtype)
-            check_readable(self.storage, fqn, meta)
+            check_readable(self.storage, fqn, meta)  # before any memory of its size
+            frame = _frame(meta.shape, tensors.torch_dtype(meta.dtype))
             budget.acquire(meta.nbytes)
             buf = buffers.take(meta.nbytes)
             try:
