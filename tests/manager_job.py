@@ -72,7 +72,7 @@ def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | N
     np.random.seed(20 + rank)
     torch.manual_seed(30 + rank)
     mgr = dcp.CheckpointManager(root, interval=2, keep_latest=2, storage_options=options,
-                                timeout=60)
+                                timeout=120)
     state = {"app": AppState(model, optim), "loader": dcp.PerRank(loader)}
     start = mgr.load_latest(state) or 0
     with open(f"{out}.{rank}", "a") as log:

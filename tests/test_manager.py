@@ -6,6 +6,7 @@ change of the data-parallel degree."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -150,7 +151,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, root: str, out: Path, steps: int, *extra: str) -> list[int]:
+def _start(world: int, root: str, out: Path, steps: int, *extra: str) -> list[subprocess.Popen]:
+    """The ranks of a tests/manager_job.py job, in one process group (the first rank's)."""
     port = _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
@@ -162,14 +164,17 @@ def _launch(world: int, root: str, out: Path, steps: int, *extra: str) -> list[i
              root, str(out), str(steps), *extra], env=env,
             process_group=0 if leader is None else leader.pid))
         leader = leader or procs[0]
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=120))
-        except subprocess.TimeoutExpired:
-            os.killpg(procs[0].pid, signal.SIGKILL)
-            raise
-    return codes
+    return procs
+
+
+def _wait_job(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
+    """The exit codes of a job's ranks; the job killed if it outlives ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [proc.wait(timeout=max(deadline - time.monotonic(), 1)) for proc in procs]
+    except subprocess.TimeoutExpired:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        raise
 
 
 def _records(out: Path, rank: int) -> list[dict]:
@@ -210,23 +215,26 @@ def _wait_for(path: Path, timeout: float = 300.0) -> str:
 @dist_scenario(world_size=2)
 def test_manager_sigkill_during_async_save_then_restart_w2(ctx):
     """On a path, shm:// and S3: a separate 2-rank job (tests/manager_job.py,
-    async saves every 2 steps, keep_latest=2) is killed with SIGKILL,
-    trainers and background savers, right after step 6's save started,
-    while it is in flight; this group, new processes, resumes it: from step
-    4, the newest complete step (6 never committed), and steps 5 and 6
-    repeat exactly (losses, every generator's draws, each rank's loader
-    position) before training goes on to step 8."""
-    for root, options in _roots(ctx, "kill"):
-        label = root.split("://")[0] if "://" in root else "posix"
-        out, done = ctx.dir / f"first-{label}", ctx.dir / f"{label}.codes"
-        if ctx.rank == 0:  # the job to kill; rank 1 waits without a collective meanwhile
-            codes: object = "the launch raised"
-            try:
-                extra = ["--options", json.dumps(options)] if options else []
-                codes = _launch(2, root, out, 8, "--kill-at", "6", *extra)
-            finally:
-                done.write_text(json.dumps(codes))
-        assert json.loads(_wait_for(done)) == [-signal.SIGKILL] * 2, label
+    async saves every 2 steps, keep_latest=2; the three jobs run at once) is
+    killed with SIGKILL, trainers and background savers, right after step
+    6's save started, while it is in flight; this group, new processes,
+    resumes it: from step 4, the newest complete step (6 never committed),
+    and steps 5 and 6 repeat exactly (losses, every generator's draws, each
+    rank's loader position) before training goes on to step 8."""
+    roots = _roots(ctx, "kill")
+    labels = [root.split("://")[0] if "://" in root else "posix" for root, _ in roots]
+    if ctx.rank == 0:  # the jobs to kill, at once; rank 1 waits without a collective meanwhile
+        jobs = [_start(2, root, ctx.dir / f"first-{label}", 8, "--kill-at", "6",
+                       *(["--options", json.dumps(options)] if options else []))
+                for (root, options), label in zip(roots, labels, strict=True)]
+        for procs, label in zip(jobs, labels, strict=True):
+            codes: object = "the job timed out and was killed"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                codes = _wait_job(procs)
+            (ctx.dir / f"{label}.codes").write_text(json.dumps(codes))
+    for (root, options), label in zip(roots, labels, strict=True):
+        out = ctx.dir / f"first-{label}"
+        assert json.loads(_wait_for(ctx.dir / f"{label}.codes")) == [-signal.SIGKILL] * 2, label
         first = _records(out, ctx.rank)
         if ctx.rank == 0:
             assert first[-1] == {"killed": 6, "in_flight": True}, (label, first[-1])
