@@ -96,6 +96,13 @@ def test_two_rank_conversions(ctx):
     checkpoint_to_torch_dcp(str(ctx.shared / "parallel-torch-2"),
                             str(ctx.shared / "parallel-torch-2-export"), buffer_bytes=BUDGET,
                             process_group=dist.group.WORLD)
+    # the CLI under torchrun (its WORLD_SIZE) shares the PyTorch DCP conversions alike
+    from unittest import mock
+
+    from dcp.tools.cli import main as hyperdcp
+    with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
+        assert hyperdcp(["convert", str(torch_src), str(ctx.shared / "parallel-torch-cli"),
+                         "--trust-pickle", "--buffer-bytes", str(BUDGET)]) == 0
     with pytest.raises(dcp.CheckpointError, match=r"'strided'.*stride.*without a process group"):
         torch_dcp_to_checkpoint(str(ctx.shared / "strided-torch"), str(ctx.shared / "strided"),
                                 trusted=True, process_group=dist.group.WORLD)
@@ -120,6 +127,7 @@ def test_two_ranks_write_the_same_bytes_as_one(dist_groups, tmp_path):
     torch_dcp_to_checkpoint(str(shared / "parallel-torch"), str(tmp_path / "torch-one"),
                             trusted=True, buffer_bytes=BUDGET)
     assert _fingerprint(tmp_path / "torch-one") == _fingerprint(shared / "parallel-torch-2")
+    assert _fingerprint(tmp_path / "torch-one") == _fingerprint(shared / "parallel-torch-cli")
     exported = shared / "parallel-torch-2-export"
     assert {p.name[:3] for p in exported.glob("*.distcp")} == {"__0", "__1"}  # both ranks wrote
     target = {fqn: torch.zeros_like(t) for fqn, t in _model().items()}

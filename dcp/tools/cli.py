@@ -390,19 +390,15 @@ def _convert(args) -> int:
             dest_options=dst_options, dtype=args.dtype, model_only=args.model_only,
             prefix=args.prefix, buffer_bytes=budget, process_group=group, **common)
         count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
-    elif group is not None and target in FORMATS and source in FORMATS:
-        print("hyperdcp convert: error: only the safetensors conversions run on several ranks; "
-              "run this one in one process", file=sys.stderr)
-        return EXIT_USAGE
     elif (source, target) == ("torch-dcp", "hyperdcp"):
         md = torch_dcp_io.torch_dcp_to_checkpoint(
             args.src, args.dst, trusted=args.trust_pickle, allow_pickle=args.allow_pickle,
-            storage_options=dst_options, **common)
+            storage_options=dst_options, buffer_bytes=budget, process_group=group, **common)
         count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
     elif (source, target) == ("hyperdcp", "torch-dcp"):
         result = torch_dcp_io.checkpoint_to_torch_dcp(
             args.src, args.dst, allow_pickle=args.allow_pickle, storage_options=src_options,
-            **common)
+            buffer_bytes=budget, process_group=group, **common)
         count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
     else:
         print(f"hyperdcp convert: error: cannot convert {source} to {target}; convert to hyperdcp "
@@ -480,7 +476,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Convert SRC (format detected: hyperdcp checkpoint, "
                                    "safetensors folder or file, PyTorch DCP checkpoint) into "
                                    "DST, streaming, several files at once within --buffer-bytes; "
-                                   "under torchrun the safetensors conversions are shared over "
+                                   "under torchrun every conversion is shared over "
                                    "the ranks. Exit 0, or 1 on error, 2 on bad usage.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
