@@ -28,6 +28,7 @@ from dcp.manager import (
     BestN,
     CheckpointManager,
     CheckpointWarning,
+    DeriveRNG,
     EveryNSteps,
     FixedInterval,
     Forced,
@@ -46,7 +47,8 @@ __all__ = [
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "async_save", "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
-    "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "AnyOf",
+    "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",
+    "AnyOf",
     "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN", "OnPreemption",
     "SpecificSteps",
 ]

@@ -2,8 +2,9 @@
 
 Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 
-* ``hyperdcp demo`` — the main job: a real multi-rank training run saved and
-  resumed under another parallel layout (see :mod:`dcp.tools.demo`).
+* ``hyperdcp demo`` — the main job: a real multi-rank training run through
+  ``CheckpointManager``, killed mid-save, resumed under another parallel
+  layout, then preempted by SIGTERM (see :mod:`dcp.tools.demo`).
 * ``hyperdcp inspect URI`` — format and version, writing ranks, and every
   tensor's shape, dtype, bytes, chunks and writers (``--chunks`` lists each
   chunk; ``--json`` for machine-readable output).
@@ -431,8 +432,9 @@ def _parser() -> argparse.ArgumentParser:
                         version=f"hyperdcp {importlib.metadata.version('hyperdcp')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     # listed for --help only: main() hands "demo ..." to the demo's own parser
-    sub.add_parser("demo", help="train, checkpoint and resume under another layout "
-                                "(hyperdcp demo --help for its options)", add_help=False)
+    sub.add_parser("demo", help="train, SIGKILL mid-save, resume under another layout, last "
+                                "words on SIGTERM (hyperdcp demo --help for its options)",
+                   add_help=False)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-o", "--storage-option", dest="option", action="append", default=[],
