@@ -78,6 +78,51 @@ def test_keep_latest_1_with_async_and_coordination_none_are_refused(tmp_path):
     dcp.CheckpointManager(tmp_path, keep_latest=1, async_save=False).close()
 
 
+def _adamw(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _same_optim(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"]) == [0, 1, 2, 3]
+    for i, entry in a["state"].items():
+        assert sorted(entry) == sorted(b["state"][i]) == ["exp_avg", "exp_avg_sq", "step"]
+        for name, t in entry.items():
+            assert torch.equal(t, b["state"][i][name]) and t.dtype == b["state"][i][name].dtype
+
+
+def test_a_fresh_optimizer_passed_as_a_stateful_resumes(tmp_path):
+    """An optimizer passed straight into the state (the README's manager
+    example) resumes in a new process: its empty ``state`` is initialised
+    (as PyTorch DCP's get_optimizer_state_dict does) before the load plans
+    against it; the parameters are untouched by that initialisation."""
+    model, optim = _adamw(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optim": optim.state_dict()}
+    mgr = dcp.CheckpointManager(tmp_path / "run", async_save=False, keep_latest=1)
+    assert mgr.save(3, {"model": model, "optim": optim}, force=True)
+    mgr.close()
+    dcp.save({"model": model, "optim": optim}, str(tmp_path / "plain"))
+    for how in ("dcp.load", "load_latest"):
+        fresh_model, fresh_optim = _adamw(1)
+        state = {"model": fresh_model, "optim": fresh_optim}
+        if how == "dcp.load":
+            dcp.load(state, str(tmp_path / "plain"))
+        else:
+            with dcp.CheckpointManager(tmp_path / "run", async_save=False) as m:
+                assert m.load_latest(state) == 3
+        for k, v in fresh_model.state_dict().items():
+            assert torch.equal(v, saved["model"][k]), (how, k)
+        _same_optim(fresh_optim.state_dict(), saved["optim"])
+        assert all(p.grad is None for p in fresh_model.parameters())
+
+
 def _steps_on_disk(root: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.glob("step-*"))
 

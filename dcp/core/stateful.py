@@ -100,20 +100,23 @@ def _hashable(key: Any) -> Any:
     return key if isinstance(key, (str, int)) else repr(key)
 
 
-def resolve(state_dict: Any, is_tensor: Callable[[Any], bool]) -> Resolved:
+def resolve(state_dict: Any, is_tensor: Callable[[Any], bool],
+            prepare: Callable[[Any], None] | None = None) -> Resolved:
     """Replace every Stateful in ``state_dict`` by its ``state_dict()`` (see
     the module doc).  A Stateful's state dict may itself hold Statefuls; they
-    are resolved too.
+    are resolved too.  ``prepare`` (a load's) is called with each Stateful
+    before its ``state_dict()``.
 
     Raises :class:`CheckpointError` naming the fqn if a ``state_dict()``
     raises or returns something other than a dict.
     """
     out = Resolved(state_dict)
-    out.state_dict = _walk(state_dict, "", out, is_tensor)
+    out.state_dict = _walk(state_dict, "", out, is_tensor, prepare)
     return out
 
 
-def _walk(value: Any, fqn: str, out: Resolved, is_tensor) -> Any:
+def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
+          prepare: Callable[[Any], None] | None) -> Any:
     """``value`` with its Statefuls resolved: ``value`` itself if it holds
     none, else a copy of it."""
     if isinstance(value, dict):
@@ -128,6 +131,8 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor) -> Any:
         path = f"{fqn}.{key}" if fqn else str(key)
         if is_stateful(child, is_tensor):
             try:
+                if prepare is not None:
+                    prepare(child)
                 sd = child.state_dict()
             except CheckpointError:
                 raise
@@ -139,10 +144,10 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor) -> Any:
                 raise CheckpointError(
                     f"{path!r}: {type(child).__name__}.state_dict() returned a "
                     f"{type(sd).__name__}, not a dict")
-            new[key] = _walk(sd, path, out, is_tensor)
+            new[key] = _walk(sd, path, out, is_tensor, prepare)
             found.append((key, child, path))
         else:
-            resolved = _walk(child, path, out, is_tensor)
+            resolved = _walk(child, path, out, is_tensor, prepare)
             if resolved is not child:
                 new[key] = resolved
     if not new:

@@ -82,6 +82,19 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, TensorShard))
 
 
+def init_optimizer_state(value: Any) -> None:
+    """Give a ``torch.optim.Optimizer`` whose ``state`` is empty (a fresh
+    one, about to be loaded into) its state tensors, so that its
+    ``state_dict()`` holds shaped targets (DTensors under FSDP2): PyTorch
+    DCP's own initialisation (``get_optimizer_state_dict``), a step on zero
+    gradients at learning rate 0 that leaves the parameters as they are.
+    Anything else, and an optimizer with state or gradients, is left as it is."""
+    if isinstance(value, torch.optim.Optimizer) and not value.state:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(value)
+
+
 def dtype_name(dtype: torch.dtype, fqn: str) -> str:
     """The checkpoint's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
     try:

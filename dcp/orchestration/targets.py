@@ -4,7 +4,9 @@
 :class:`Targets`:
 
 * before anything is read, Stateful values are resolved to what their
-  ``state_dict()`` returns (:mod:`dcp.core.stateful`); a failure there is
+  ``state_dict()`` returns (:mod:`dcp.core.stateful`), a fresh optimizer's
+  state initialised first (:func:`dcp.core.tensors.init_optimizer_state`:
+  its empty ``state`` would give the load no targets); a failure there is
   kept and raised inside the planning step, so every rank fails together;
 * once the metadata is known, inside the planning step, every target on the
   meta device is replaced by a real host tensor of its layout and the saved
@@ -32,7 +34,8 @@ class Targets:
     def __init__(self, state_dict: Any) -> None:
         self.error: CheckpointError | None = None
         try:
-            self.resolved = stateful.resolve(state_dict, tensors.is_tensor)
+            self.resolved = stateful.resolve(state_dict, tensors.is_tensor,
+                                             prepare=tensors.init_optimizer_state)
         except CheckpointError as e:  # raised in the planning step, on every rank
             self.error = e
             self.resolved = stateful.Resolved(state_dict)
