@@ -92,28 +92,37 @@ class DeriveRNG:
     on two ranks, none is dropped silently: the rule is declared),
     reproducible (resuming the same step on the same layout draws the
     same), distinct across data-parallel ranks and shared by the ranks of
-    one data-parallel rank.  Python's 19,937-bit Mersenne Twister is seeded
-    with the whole 256-bit digest, NumPy's with it as 8 ``uint32`` words,
-    torch's CPU generator with its first 63 bits ``s`` and accelerator
-    device ``i`` with ``s + 1 + i``."""
+    one data-parallel rank.  Each generator gets a seed of its own, the
+    SHA-256 of its name (``python``, ``numpy``, ``torch``,
+    ``accelerator:<i>``) and that digest, so no two draw the same stream:
+    Python's 19,937-bit Mersenne Twister is seeded with the whole 256-bit
+    seed, NumPy's with it as 8 ``uint32`` words, torch's CPU generator and
+    each accelerator device with its first 63 bits."""
 
     def __call__(self, states: list[dict], dp_rank: int, dp_degree: int) -> dict:
         digest = hashlib.sha256(json.dumps([states, dp_rank, dp_degree], sort_keys=True,
                                            separators=(",", ":")).encode()).digest()
-        seed = int.from_bytes(digest[:8], "little") >> 1  # 63 bits: torch's seed range
+
+        def seed(name: str) -> bytes:
+            return hashlib.sha256(name.encode() + digest).digest()
+
+        def seed63(name: str) -> int:  # torch's seed range
+            return int.from_bytes(seed(name)[:8], "little") >> 1
+
         np = _numpy()
         accel = _accelerator()
         devices = None
         if accel is not None:
             devices = [torch.Generator(device=f"{accel.__name__.rsplit('.', 1)[-1]}:{i}")
-                       .manual_seed(seed + i + 1).get_state()
+                       .manual_seed(seed63(f"accelerator:{i}")).get_state()
                        for i in range(accel.device_count())]
         numpy_state = None
         if np is not None:
-            words = np.frombuffer(digest, dtype=np.uint32)
+            words = np.frombuffer(seed("numpy"), dtype=np.uint32)
             numpy_state = np.random.RandomState(words).get_state()
-        return _encode(random.Random(int.from_bytes(digest, "little")).getstate(),
-                       torch.Generator().manual_seed(seed).get_state(), numpy_state, devices)
+        return _encode(random.Random(int.from_bytes(seed("python"), "little")).getstate(),
+                       torch.Generator().manual_seed(seed63("torch")).get_state(), numpy_state,
+                       devices)
 
 
 def restore(state: dict, where: str) -> None:
