@@ -1,8 +1,9 @@
 """Remapping at load (:mod:`dcp.interop.remap`): MiniLM into a fused-QKV
 layout sharded over 2 ranks (as rows, and transposed as columns), the
-inverse map on export giving the original bytes, stacked experts,
-transpositions of every dtype (0-d and empty included) through load and
-export, and bad maps refused before anything is read."""
+inverse map on export giving the original bytes, stacked experts (sharded
+over 2 ranks and exported back through selects under their Hugging Face
+names), transpositions and selects of every dtype (0-d and empty included)
+through load and export, and bad maps refused before anything is read."""
 
 from __future__ import annotations
 
@@ -243,6 +244,99 @@ def test_stacked_experts_every_dtype_and_export_cast(tmp_path, dtype):
             assert f.get_tensor("empty").shape == (0, 3)
 
 
+MOE = MAPS["mixtral_stacked_experts"]
+
+
+def _experts(dtype, layers=2, count=3) -> dict[str, torch.Tensor]:
+    """Mixtral-style per-expert weights ``[5, 6]`` under their Hugging Face
+    names."""
+    return {f"m.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight":
+            random_tensor((5, 6), dtype, seed=100 * layer + 10 * e + k)
+            for layer in range(layers) for e in range(count)
+            for k, w in enumerate(("w1", "w2", "w3"))}
+
+
+def _assert_file_holds(path, tensors: dict[str, torch.Tensor]) -> None:
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for k, v in tensors.items():
+            assert f.get_tensor(k).shape == v.shape, k
+            assert_bitwise_equal(f.get_tensor(k), v, k)
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_stacked_experts_sharded_over_two_ranks_export_back_to_hf_names(ctx):
+    import torch.distributed as dist
+
+    experts = _experts(torch.bfloat16)
+    if ctx.rank == 0:
+        save_file(experts, ctx.dir / "model.safetensors")
+    ctx.barrier()
+    # each rank holds rows [3 * rank, 3 * rank + 3) of every expert's [5, 6] (rank 1: 2 rows)
+    rows = min(3, 5 - 3 * ctx.rank)
+    state = {f"m.layers.{layer}.block_sparse_moe.experts.{w}":
+             dcp.TensorShard(torch.zeros(3, rows, 6, dtype=torch.bfloat16), (3, 5, 6),
+                             (0, 3 * ctx.rank, 0))
+             for layer in range(2) for w in ("w1", "w2", "w3")}
+    load_safetensors(state, str(ctx.dir), remap=MOE, process_group=dist.group.WORLD)
+    dcp.save(state, str(ctx.dir / "stacked"))
+    if ctx.rank == 0:
+        md = dcp.read_metadata(str(ctx.dir / "stacked"))
+        back = inverse(MOE, md)
+        assert back["m.layers.1.block_sparse_moe.experts.2.w3.weight"] == {
+            "select": 0, "source": "m.layers.1.block_sparse_moe.experts.w3", "index": 2}
+        # a leading-dim select of each rank's chunk is a byte range of it: nothing staged
+        seen = remap_metadata(md, back)
+        assert not seen.staged
+        chunks = seen.metadata.tensors["m.layers.0.block_sparse_moe.experts.1.w2.weight"].chunks
+        assert sorted(c.nbytes for c in chunks) == [2 * 6 * 2, 3 * 6 * 2]
+        checkpoint_to_safetensors(str(ctx.dir / "stacked"), str(ctx.dir / "hf"), remap=back)
+        _assert_file_holds(ctx.dir / "hf" / "model.safetensors", experts)
+    ctx.barrier()
+
+
+#: Stacks the bytes of a chunk cannot follow back: experts stacked along dim
+#: 1 (``[5, E, 6]``), and stacked then transposed (``[6, 5, E]``).
+STACKED = {"t.mid": {"stack": 1, "sources": "s.mid.{i}"},
+           "t.perm": {"stack": 0, "transpose": [2, 1, 0], "sources": "s.perm.{i}"},
+           "t.vec": {"stack": 0, "sources": ["s.a", "s.b"]},
+           "t.none": {"stack": 1, "sources": "s.none.{i}"}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.bool, torch.float8_e4m3fn, torch.uint8])
+def test_stacks_every_dtype_export_back_through_inverse_selects(tmp_path, dtype):
+    src = _experts(dtype, layers=1)
+    src.update({f"s.mid.{i}": random_tensor((5, 6), dtype, seed=50 + i) for i in range(3)})
+    src.update({f"s.perm.{i}": random_tensor((5, 6), dtype, seed=60 + i) for i in range(3)})
+    src.update({"s.a": random_tensor((), dtype, seed=70), "s.b": random_tensor((), dtype, seed=71)})
+    src.update({f"s.none.{i}": torch.empty((0, 2), dtype=dtype) for i in range(2)})
+    save_file(src, tmp_path / "model.safetensors")
+    mapping = {**MOE, **STACKED}
+    targets = remap_metadata(SafetensorsFolder(str(tmp_path)).metadata, mapping).targets()
+    state = {f: torch.zeros(m.shape, dtype=dtype) for f, m in targets.items()}
+    load_safetensors(state, str(tmp_path), remap=mapping)
+    assert state["t.perm"].shape == (6, 5, 3) and state["t.vec"].shape == (2,)
+    assert_bitwise_equal(state["t.mid"], torch.stack([src[f"s.mid.{i}"] for i in range(3)], 1),
+                         "t.mid")
+    dcp.save(state, str(tmp_path / "stacked"))
+    md = dcp.read_metadata(str(tmp_path / "stacked"))
+    back = inverse(mapping, md)
+    assert back["s.perm.1"] == {"select": 2, "source": "t.perm", "index": 1,
+                                "transpose": [1, 0]}
+    assert back["s.b"] == {"select": 0, "source": "t.vec", "index": 1}
+    # selects across dim 1 and transposed ones staged; leading-dim selects (experts) not
+    staged = remap_metadata(md, back).staged
+    assert {f"s.mid.{i}" for i in range(3)} | {f"s.perm.{i}" for i in range(3)} <= set(staged)
+    assert not any("experts" in f or f in ("s.a", "s.b") for f in staged)
+    checkpoint_to_safetensors(str(tmp_path / "stacked"), str(tmp_path / "hf"), remap=back)
+    _assert_file_holds(tmp_path / "hf" / "model.safetensors", src)
+    # a staged select read back as a box of this rank's: rows 2-4 of the middle expert
+    box = {"s.mid.1": dcp.TensorShard(torch.zeros(3, 6, dtype=dtype), (5, 6), (2, 0))}
+    load_remapped(box, str(tmp_path / "stacked"), back, strict=False)
+    assert_bitwise_equal(box["s.mid.1"].data, src["s.mid.1"][2:], "s.mid.1")
+
+
 def _md(**shapes) -> dcp.Metadata:
     """A safetensors-like metadata of float32 tensors ``name=shape``."""
     from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta
@@ -267,17 +361,43 @@ def _md(**shapes) -> dcp.Metadata:
       "b": {"slice": 0, "source": "q", "start": 2, "stop": 4}}, r"gap \[1:2\].*'b'"),
     ({"a": {"slice": 0, "source": "q", "start": 0, "stop": 9}}, r"'a'.*\[0:9\].*does not fit"),
     ({"a": {"slice": 1, "source": "q", "start": 0, "stop": 1},
-      "b": {"slice": 0, "source": "q", "start": 1, "stop": 2}}, r"'q' is sliced along several"),
+      "b": {"slice": 0, "source": "q", "start": 1, "stop": 2}}, r"'q' is sliced or selected along"),
     ({"a": {"concat": 0, "slice": 0, "sources": ["q", "k"]}}, r"'a' must have exactly one of"),
     ({"a": {"transpose": [1, 1], "source": "q"}}, r"'a' \(transpose of 'q'\).*\[1, 1\] is not"),
     ({"a": {"transpose": [0, 1, 2], "source": "q"}}, r"'a'.*not a permutation of the 2"),
     ({"a": {"concat": 1, "transpose": [1], "sources": ["q", "k"]}}, r"'a' \(concat of 'q', 'k'\)"),
     ({"a": {"transpose": [1, 0], "sources": ["q", "k"]}}, r"'a'.*a transpose takes one source"),
+    ({"a": {"select": 0, "source": "q", "index": 4}},
+     r"'a' \(select of 'q'\): index 4 of dim 0 does not fit shape \[4, 2\]"),
+    ({"a": {"select": 0, "source": "q", "index": -1}}, r"'a' \(select of 'q'\): index -1"),
+    ({"a": {"select": 0, "source": "q"}}, r"'a' \(select of 'q'\): index None"),
+    ({"a": {"select": 2, "source": "q", "index": 0}}, r"'a' \(select of 'q'\): dim 2 out of"),
+    ({"a": {"select": "0", "source": "q", "index": 0}}, r"'a'.*takes a dimension, not '0'"),
+    ({"a": {"select": 0, "sources": ["q", "k"], "index": 0}}, r"'a'.*a select takes one source"),
+    ({"a": {"select": 1, "source": "q", "index": 0, "transpose": [1, 0]}},
+     r"'a' \(select of 'q'\).*not a permutation of the 1"),
+    ({f"e{k}": {"select": 0, "source": "q", "index": i} for k, i in enumerate((0, 1, 1, 3))},
+     r"'e1' and 'e2' of 'q' overlap at 1"),
+    ({f"e{i}": {"select": 0, "source": "q", "index": i} for i in (0, 1, 3)},
+     r"selects of 'q' leave a gap \[2:3\].*'e3'"),
+    ({"e0": {"select": 1, "source": "q", "index": 0},
+      "e1": {"slice": 0, "source": "q", "start": 0, "stop": 4}},
+     r"'q' is sliced or selected along"),
 ])
 def test_bad_maps_raise_before_reading_naming_target_and_sources(mapping, message):
     md = _md(q=(4, 2), k=(4, 2), v=(4, 2), w=(4, 3))
     with pytest.raises(dcp.CheckpointError, match=message):
         remap_metadata(md, mapping)
+
+
+def test_inverse_refuses_stacks_it_cannot_undo_naming_the_target():
+    md = _md(**{"x_w1": (3, 4, 2), "y_w1": (3,)})
+    with pytest.raises(dcp.CheckpointError, match=r"'x.w1' stacks 3 along dim 0, its rule names 2"):
+        inverse({"x.w1": {"stack": 0, "sources": ["a", "b"]}}, md)
+    with pytest.raises(dcp.CheckpointError, match=r"'y.w1' of shape \[3\] has no dim 1"):
+        inverse({"{p}.w1": {"stack": 1, "sources": "{p}.e.{i}"}}, md)
+    with pytest.raises(dcp.CheckpointError, match=r"cannot invert the rule for 'x.w1'"):
+        inverse({"x.w1": {"select": 0, "source": "x", "index": 0}}, md)
 
 
 def test_staged_target_of_another_shape_or_in_a_list_raises_naming_it(tmp_path):

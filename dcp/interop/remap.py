@@ -8,10 +8,14 @@ A map is data (JSON-able), not code: ``{target: rule}``, where a rule is
   new ``dim`` (MoE experts);
 * ``{"slice": dim, "source": name, "start": a, "stop": b}`` — a part of
   one source (un-fusing);
+* ``{"select": dim, "source": name, "index": i}`` — index ``i`` of one
+  source's dimension ``dim``, that dimension dropped
+  (``source.select(dim, i)``: one expert out of a stack, the inverse of
+  ``stack``);
 * ``{"transpose": perm, "source": name}`` — one source with its dimensions
   permuted (``target = source.permute(perm)``: ``[1, 0]`` for a matrix).
 
-``"transpose": perm`` may also be added to a concat, stack or slice rule:
+``"transpose": perm`` may also be added to a concat, stack, slice or select rule:
 the target is then that rule's result permuted (``cat(...).permute(perm)``:
 fused QKV into a layout storing ``[in, 3 * out]``, like GPT-2's ``c_attn``).
 ``perm`` is any permutation of the result's dimensions, of any rank (for 0-d
@@ -22,24 +26,25 @@ Names may hold placeholders ``{name}`` matching any run of characters
 ``0, 1, ...``), so one map serves every layer; :data:`MAPS` ships the
 common ones.
 
-How it reads only what it needs: a concat, stack or slice along the
-leading dimension of a chunk is a change of coordinates that moves a source
-chunk's box into the target without changing the order of its bytes
-(offsets shift or gain a dimension; a leading-dimension slice cuts a
-contiguous byte range).  So :class:`RemappedView` presents the source
+How it reads only what it needs: a concat, stack, or a slice or select
+along the leading dimension of a chunk is a change of coordinates that moves
+a source chunk's box into the target without changing the order of its
+bytes (offsets shift, gain or lose a dimension; a leading-dimension slice or
+select cuts a contiguous byte range).  So :class:`RemappedView` presents the source
 checkpoint (ours or a :class:`~dcp.interop.safetensors_io.SafetensorsFolder`)
 with remapped metadata — target tensors whose chunks point into the source
 files — and the unchanged load planner does the rest: resharding, each rank
 reading only the byte runs of its own boxes, coalescing.  A rule that
-changes the byte order (a transposition, or a slice across a dimension a
-chunk's bytes cannot follow) is *staged* instead (:class:`Staged`): for
+changes the byte order (a transposition, or a slice or select across a
+dimension a chunk's bytes cannot follow) is *staged* instead (:class:`Staged`): for
 each box a rank holds of the target, the part of each source landing in it
 is read, by the same planner, as a box of that source into a scratch tensor
 of the box's size, then copied into the target through a permuted view
 (:func:`load_through`).  Every mistake — an unknown source, shape or dtype
-mismatch, a source used twice, slices that overlap or leave gaps, a bad
-permutation — raises :class:`~dcp.CheckpointError` naming the target and
-sources before anything is read.
+mismatch, a source used twice, slices or selects that overlap or leave
+gaps, an index out of range, a bad permutation — raises
+:class:`~dcp.CheckpointError` naming the target and sources before anything
+is read.
 """
 
 from __future__ import annotations
@@ -95,18 +100,19 @@ def _pattern(template: str) -> re.Pattern:
                               for p in parts) + r"\Z")
 
 
-_KINDS = ("concat", "stack", "slice")
+_KINDS = ("concat", "stack", "slice", "select")
 
 
 def _kind_of(target: str, rule) -> str:
-    """The rule's kind: ``concat``, ``stack``, ``slice`` or (alone)
-    ``transpose``."""
+    """The rule's kind: ``concat``, ``stack``, ``slice``, ``select`` or
+    (alone) ``transpose``."""
     kinds = [k for k in _KINDS if isinstance(rule, dict) and k in rule]
     if isinstance(rule, dict) and not kinds and "transpose" in rule:
         return "transpose"
     if len(kinds) != 1:
         raise CheckpointError(f"remap rule for {target!r} must have exactly one of "
-                              f"'concat', 'stack', 'slice' (or 'transpose' alone): {rule!r}")
+                              f"'concat', 'stack', 'slice', 'select' (or 'transpose' alone): "
+                              f"{rule!r}")
     return kinds[0]
 
 
@@ -160,8 +166,10 @@ class Piece:
     the target before its permutation (``U``): the source's part
     ``[offsets, offsets + sizes)`` of ``U``; a point ``u`` of it is the
     source's point ``u - shift`` with dimension ``drop`` removed (a stacked
-    source).  ``name`` is the source's entry in the view's metadata (a copy
-    of its :class:`~dcp.TensorMeta` under a name of its own)."""
+    source), or with index ``pick[1]`` inserted as dimension ``pick[0]`` (a
+    selected source: ``U`` lacks that dimension).  ``name`` is the source's
+    entry in the view's metadata (a copy of its :class:`~dcp.TensorMeta`
+    under a name of its own)."""
 
     name: str
     source: str
@@ -170,13 +178,18 @@ class Piece:
     sizes: tuple[int, ...]
     shift: tuple[int, ...]
     drop: int | None = None
+    pick: tuple[int, int] | None = None
 
     def source_box(self, lo: list[int], hi: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The box of the source holding the part ``[lo, hi)`` of ``U``."""
+        """The box of the source holding the part ``[lo, hi)`` of ``U``
+        (of size 1 along a selected dimension)."""
         offsets = [a - s for a, s in zip(lo, self.shift, strict=True)]
         sizes = [b - a for a, b in zip(lo, hi, strict=True)]
         if self.drop is not None:
             del offsets[self.drop], sizes[self.drop]
+        if self.pick is not None:
+            offsets.insert(self.pick[0], self.pick[1])
+            sizes.insert(self.pick[0], 1)
         return tuple(offsets), tuple(sizes)
 
 
@@ -270,10 +283,10 @@ def remap_metadata(md: Metadata, mapping: dict, where: str = "the source") -> Re
         missing = [s for s in sources if s not in md.tensors]
         if missing or not sources:
             raise CheckpointError(f"{what}: source(s) {missing or sources} not in {where}")
-        if kind == "transpose" and len(sources) != 1:
-            raise CheckpointError(f"{what}: a transpose takes one source")
+        if kind in ("slice", "select", "transpose") and len(sources) != 1:
+            raise CheckpointError(f"{what}: a {kind} takes one source")
         for s in sources:
-            if kind != "slice" and s in used:
+            if kind not in ("slice", "select") and s in used:
                 raise CheckpointError(f"{what}: source {s!r} is used by {used[s]!r} too")
             used.setdefault(s, target)
         metas = [md.tensors[s] for s in sources]
@@ -282,8 +295,9 @@ def remap_metadata(md: Metadata, mapping: dict, where: str = "the source") -> Re
             raise CheckpointError(f"{what}: sources differ in dtype ({sorted(dtypes)})")
         dtype = metas[0].dtype
         shapes = [list(m.shape) for m in metas]
-        # each source's part of the result U: (offsets, sizes, shift, drop)
-        parts: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None]] = []
+        # each source's part of the result U: (offsets, sizes, shift, drop, pick) as in Piece
+        parts: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None,
+                          tuple[int, int] | None]] = []
         cut_failed = False
         if kind == "concat":
             if not 0 <= dim < len(shapes[0]):
@@ -297,7 +311,7 @@ def remap_metadata(md: Metadata, mapping: dict, where: str = "the source") -> Re
             for m in metas:
                 meta.chunks.extend(_shift(c, dim, base) for c in m.chunks)
                 offsets = tuple(base if d == dim else 0 for d in range(len(shape)))
-                parts.append((offsets, m.shape, offsets, None))
+                parts.append((offsets, m.shape, offsets, None, None))
                 base += m.shape[dim]
         elif kind == "stack":
             if len({tuple(s) for s in shapes}) > 1:
@@ -311,7 +325,7 @@ def remap_metadata(md: Metadata, mapping: dict, where: str = "the source") -> Re
                     replace(c, offsets=c.offsets[:dim] + (k,) + c.offsets[dim:],
                             sizes=c.sizes[:dim] + (1,) + c.sizes[dim:]) for c in m.chunks)
                 offsets = tuple(k if d == dim else 0 for d in range(len(shape)))
-                parts.append((offsets, m.shape[:dim] + (1,) + m.shape[dim:], offsets, dim))
+                parts.append((offsets, m.shape[:dim] + (1,) + m.shape[dim:], offsets, dim, None))
         elif kind == "slice":
             (src,), (m,) = sources, metas
             start, stop = rule.get("start"), rule.get("stop")
@@ -328,22 +342,41 @@ def remap_metadata(md: Metadata, mapping: dict, where: str = "the source") -> Re
                 if isinstance(cut, ChunkMeta):
                     meta.chunks.append(cut)
             parts.append(((0,) * len(shape), tuple(shape),
-                          tuple(-start if d == dim else 0 for d in range(len(shape))), None))
+                          tuple(-start if d == dim else 0 for d in range(len(shape))), None, None))
             slices.setdefault(src, []).append((dim, start, stop, target))
+        elif kind == "select":
+            (src,), (m,) = sources, metas
+            index = rule.get("index")
+            if not 0 <= dim < len(m.shape):
+                raise CheckpointError(f"{what}: dim {dim} out of range for shape {list(m.shape)}")
+            if type(index) is not int or not 0 <= index < m.shape[dim]:
+                raise CheckpointError(f"{what}: index {index!r} of dim {dim} does not fit shape "
+                                      f"{list(m.shape)}")
+            shape = list(m.shape[:dim] + m.shape[dim + 1:])
+            meta = TensorMeta(tuple(shape), dtype)
+            for c in m.chunks:
+                cut = _slice_chunk(c, m, dim, index, index + 1)
+                cut_failed = cut_failed or cut is False
+                if isinstance(cut, ChunkMeta):  # the slice of size 1 without its dimension
+                    meta.chunks.append(replace(
+                        cut, offsets=cut.offsets[:dim] + cut.offsets[dim + 1:],
+                        sizes=cut.sizes[:dim] + cut.sizes[dim + 1:]))
+            parts.append(((0,) * len(shape), tuple(shape), (0,) * len(shape), None, (dim, index)))
+            slices.setdefault(src, []).append((dim, index, index + 1, target))
         else:
             (m,) = metas
             shape, meta = list(m.shape), m
-            parts.append(((0,) * len(shape), m.shape, (0,) * len(shape), None))
+            parts.append(((0,) * len(shape), m.shape, (0,) * len(shape), None, None))
         perm = _permutation(what, rule, len(shape))
         if perm is None and not cut_failed and kind != "transpose":
             made[target] = meta
             continue
         perm = perm or tuple(range(len(shape)))
         plan = Staged(tuple(shape[p] for p in perm), dtype, perm)
-        for k, ((offsets, sizes, shift, drop), s, m) in enumerate(
+        for k, ((offsets, sizes, shift, drop, pick), s, m) in enumerate(
                 zip(parts, sources, metas, strict=True)):
             name = f"{target}{STAGED_MARK}{k}>"
-            plan.pieces.append(Piece(name, s, m, offsets, tuple(sizes), shift, drop))
+            plan.pieces.append(Piece(name, s, m, offsets, tuple(sizes), shift, drop, pick))
             made[name] = m
         staged[target] = plan
     for src, cuts in slices.items():
@@ -379,24 +412,25 @@ def _slice_chunk(c: ChunkMeta, m: TensorMeta, dim: int, start: int,
 
 
 def _check_partition(src: str, m: TensorMeta, cuts: list[tuple[int, int, int, str]]) -> None:
-    """Slices of one source must not overlap nor leave gaps."""
+    """Slices and selects of one source (a select of index ``i`` as the
+    slice ``[i:i + 1]``) must share one dim, not overlap nor leave gaps."""
     dims = {d for d, _, _, _ in cuts}
     if len(dims) > 1:
-        raise CheckpointError(f"remap: {src!r} is sliced along several dims by "
+        raise CheckpointError(f"remap: {src!r} is sliced or selected along several dims by "
                               f"{', '.join(repr(t) for *_, t in cuts)}")
     (dim,) = dims
     pos, last = 0, None
     for _, start, stop, target in sorted(cuts, key=lambda c: c[1]):
         if start < pos:
-            raise CheckpointError(f"remap: slices {last!r} and {target!r} of {src!r} overlap "
-                                  f"at {start} along dim {dim}")
+            raise CheckpointError(f"remap: slices or selects {last!r} and {target!r} of {src!r} "
+                                  f"overlap at {start} along dim {dim}")
         if start > pos:
-            raise CheckpointError(f"remap: slices of {src!r} leave a gap [{pos}:{start}] along "
-                                  f"dim {dim} (next: {target!r})")
+            raise CheckpointError(f"remap: slices or selects of {src!r} leave a gap "
+                                  f"[{pos}:{start}] along dim {dim} (next: {target!r})")
         pos, last = stop, target
     if pos != m.shape[dim]:
-        raise CheckpointError(f"remap: slices of {src!r} leave a gap [{pos}:{m.shape[dim]}] "
-                              f"along dim {dim}")
+        raise CheckpointError(f"remap: slices or selects of {src!r} leave a gap "
+                              f"[{pos}:{m.shape[dim]}] along dim {dim}")
 
 
 class RemappedView(ReadOnlyView):
@@ -462,6 +496,8 @@ def _place(u: torch.Tensor, lo, hi, base, data: torch.Tensor, piece: Piece) -> N
         data = tensors.region(data, offsets, sizes)
     if piece.drop is not None:
         data = data.unsqueeze(piece.drop)
+    if piece.pick is not None:
+        data = data.select(piece.pick[0], 0)
     tensors.copy_into(tensors.region(u, [a - b for a, b in zip(lo, base, strict=True)],
                                      [b - a for a, b in zip(lo, hi, strict=True)]), data)
 
@@ -469,15 +505,20 @@ def _place(u: torch.Tensor, lo, hi, base, data: torch.Tensor, piece: Piece) -> N
 def inverse(mapping: dict, md: Metadata) -> dict:
     """The map that undoes ``mapping`` on a checkpoint ``md`` in the target
     layout, for exporting under the original names: each concatenation
-    becomes slices of equal parts (fused QKV, gate/up), each transposition
-    the inverse permutation (a transposed concatenation: slices of the
-    target transposed back).  Raises :class:`CheckpointError` for a rule it
-    cannot invert (stacks; parts of unequal size: write those slices by
-    hand)."""
+    becomes slices of equal parts (fused QKV, gate/up), each stack one
+    select per index of the stacked dimension (experts ``[E, out, in]`` ->
+    ``E`` tensors ``[out, in]``, named by the stack's source list or its
+    ``{i}`` template), each transposition the inverse permutation (a
+    transposed concatenation or stack: slices or selects of the target
+    transposed back).  Raises :class:`CheckpointError` for a rule it cannot
+    invert (slices, selects, a concatenation of a ``{i}`` template; parts of
+    unequal size: write those slices by hand), a target without the rule's
+    dimension, or a stack of another length than its source list."""
     out: dict = {}
     for target, rule in mapping.items():
         kind = _kind_of(target, rule)
-        if kind not in ("concat", "transpose") or isinstance(rule.get("sources"), str):
+        if kind in ("slice", "select") or (kind == "concat"
+                                           and isinstance(rule.get("sources"), str)):
             raise CheckpointError(f"remap: cannot invert the rule for {target!r} ({rule!r}); "
                                   f"write its slices by hand")
         pattern = _pattern(target)
@@ -491,8 +532,14 @@ def inverse(mapping: dict, md: Metadata) -> dict:
             if kind == "transpose":
                 out[rule["source"].format(**values)] = {"transpose": inv, "source": fqn}
                 continue
-            dim, sources = rule["concat"], rule["sources"]
+            dim, sources = rule[kind], rule["sources"]
+            if not 0 <= dim < len(meta.shape):
+                raise CheckpointError(f"remap: {fqn!r} of shape {list(meta.shape)} has no dim "
+                                      f"{dim} to undo the {kind} of {target!r} along")
             along = dim if inv is None else inv[dim]  # the target's dim holding the parts
+            if kind == "stack":
+                out.update(_unstack(fqn, meta, rule, values, dim, along, inv))
+                continue
             if meta.shape[along] % len(sources):
                 raise CheckpointError(f"remap: {fqn!r} of size {meta.shape[along]} along dim "
                                       f"{along} does not split into {len(sources)} equal parts")
@@ -502,6 +549,24 @@ def inverse(mapping: dict, md: Metadata) -> dict:
                                              "stop": (k + 1) * part,
                                              **({} if inv is None else {"transpose": inv})}
     return out
+
+
+def _unstack(fqn: str, meta: TensorMeta, rule: dict, values: dict, dim: int, along: int,
+             inv: list[int] | None) -> dict:
+    """The selects undoing the stack ``rule`` for its target ``fqn``
+    (placeholders ``values``), stacked along ``along`` (``U``'s ``dim``;
+    ``inv``: the inverse of the rule's permutation, if any)."""
+    sources, count = rule["sources"], meta.shape[along]
+    names = ([sources.format(**values, i=k) for k in range(count)] if isinstance(sources, str)
+             else [s.format(**values) for s in sources])
+    if len(names) != count:
+        raise CheckpointError(f"remap: {fqn!r} stacks {count} along dim {along}, its rule "
+                              f"names {len(names)} sources")
+    # a source is U.select(dim, k): T.select(along, k) with T's other dims in U's order
+    rest = [] if inv is None else [p - (p > along) for j, p in enumerate(inv) if j != dim]
+    extra = {} if rest == sorted(rest) else {"transpose": rest}
+    return {src: {"select": along, "source": fqn, "index": k, **extra}
+            for k, src in enumerate(names)}
 
 
 def load_through(view: RemappedView, state_dict: dict, checkpoint_id: str, **load_options):
