@@ -1,6 +1,6 @@
 """Conversion throughput and peak memory, against ``cp`` of the same bytes.
 
-    python -m benchmarks.convert [--out DIR] [--size-gib 1.2] [--repeat 3]
+    python -m benchmarks.convert [--out DIR] [--size-gib 1.2] [--repeat 3] [--only OP ...]
 
 Input: a synthetic model of about ``size_gib`` GiB laid out like a Hugging
 Face checkpoint — a folder of ``model-0000k-of-0000n.safetensors`` shards
@@ -283,12 +283,31 @@ def _artifact(work: Path, target: str, source: str) -> Path:
     return work / (name + ".pt" if target == "torch-save" else name)
 
 
+def _selected(only: list[str] | None) -> list[tuple]:
+    """The operations to run: those whose name contains one of ``only``
+    (every one for ``None``), plus the conversions that make their inputs
+    (the first conversion into each source format they need).  Raises
+    :class:`ValueError` when ``only`` matches nothing."""
+    if only is None:
+        return OPERATIONS
+    chosen = [op for op in OPERATIONS if any(word in op[0] for word in only)]
+    if not chosen:
+        raise ValueError(f"--only {only} matches no operation of {[op[0] for op in OPERATIONS]}")
+    needed = {op[1] for op in chosen} - {"safetensors"}
+    makers = [next(op for op in OPERATIONS if op[2] == fmt and not op[0].startswith("torch:"))
+              for fmt in needed]
+    return [op for op in OPERATIONS if op in chosen or op in makers]
+
+
 def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3,
-        scratch: str | None = None) -> list[dict]:
-    """Measure every operation and its ``cp`` baselines; returns one row
-    per operation and process count (seconds: median of ``repeat``;
-    ``x cp``: seconds over those of ``cp -r`` of the same source; memory in
-    MiB) and writes ``convert.json`` and ``convert.md`` into ``out_dir``."""
+        scratch: str | None = None, only: list[str] | None = None) -> list[dict]:
+    """Measure the operations (those named by ``only``, see
+    :func:`_selected`; default every one) and their ``cp`` baselines;
+    returns one row per operation and process count (seconds: median of
+    ``repeat``; ``x cp``: seconds over those of ``cp -r`` of the same
+    source; memory in MiB) and writes ``convert.json`` and ``convert.md``
+    into ``out_dir``."""
+    operations = _selected(only)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hyperdcp-bench-convert-", dir=scratch))
@@ -298,12 +317,12 @@ def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3,
     try:
         artifacts = {"safetensors": work / "safetensors"}
         _write_model(artifacts["safetensors"], shapes)
-        samples: dict[tuple[str, int], list[dict]] = {(op, n): [] for op, _, _, n in OPERATIONS}
+        samples: dict[tuple[str, int], list[dict]] = {(op, n): [] for op, _, _, n in operations}
         baselines: dict[tuple[str, bool], list[float]] = {}
         for turn in range(repeat):
             copied = set()  # cp baselines: once per source format and repeat
-            for operation, source, target, procs in (OPERATIONS[::-1] if turn % 2 else
-                                                     OPERATIONS):
+            for operation, source, target, procs in (operations[::-1] if turn % 2 else
+                                                     operations):
                 src = artifacts[source]
                 if source not in copied:
                     copied.add(source)
@@ -321,7 +340,7 @@ def run(out_dir, *, size_gib: float = 1.2, repeat: int = 3,
                 elif target == "torch-save":
                     artifacts.setdefault(target, dst)
         rows = []
-        for operation, source, _target, procs in OPERATIONS:
+        for operation, source, _target, procs in operations:
             runs = samples[(operation, procs)]
             seconds = statistics.median(s["seconds"] for s in runs)
             cp = statistics.median(baselines[(source, False)])
@@ -374,13 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=1.2, help="model size (default 1.2 GiB)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
     parser.add_argument("--scratch", default=None, help="directory for the files (default: tmp)")
+    parser.add_argument("--only", nargs="+", metavar="OP", default=None,
+                        help="run only the operations whose name contains one of these (plus "
+                             "those making their inputs), e.g. --only 'hyperdcp -> safetensors'")
     parser.add_argument("--child", nargs=3, metavar=("OPERATION", "SRC", "DST"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(*args.child)
         return 0
-    rows = run(args.out, size_gib=args.size_gib, repeat=args.repeat, scratch=args.scratch)
+    rows = run(args.out, size_gib=args.size_gib, repeat=args.repeat, scratch=args.scratch,
+               only=args.only)
     print(markdown(rows))
     return 0
 

@@ -308,3 +308,59 @@ def test_conversions_stream_with_memory_bounded_by_the_largest_tensor(tmp_path):
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 2
     with safe_open(tmp_path / "out" / "model-00002-of-00002.safetensors", "pt") as f:
         assert math.isclose(float(f.get_tensor("layer.31")[0]), 31.0)
+
+
+def test_export_starts_the_data_at_the_destination_alignment_and_checks_mapped_bytes(tmp_path):
+    """A direct-I/O destination gets a header padded with spaces so that the
+    tensors start at its 4096-byte alignment (one without, at 8); both read
+    back bitwise.  The tensors written from the mapped checkpoint files have
+    their checksums verified: a flipped byte fails the export, naming the
+    tensor and file."""
+    sd = {"big": random_tensor((1024, 300), torch.float32, seed=1),  # over 1 MiB: aligned chunk
+          "odd": random_tensor((7, 3), torch.bfloat16, seed=2),
+          "ids": torch.arange(11)}
+    safetensors_to_checkpoint(str(_write(tmp_path / "in", sd)), str(tmp_path / "ckpt"))
+    for folder, options, alignment in (("direct", None, 4096), ("cached", {"fsync": False}, 8)):
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / folder),
+                                  dest_options=options)
+        path = tmp_path / folder / "model.safetensors"
+        header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+        assert (8 + header_len) % alignment == 0 and header_len < alignment + 4096
+        _assert_same(load_file(path), sd)
+
+    md = dcp.read_metadata(str(tmp_path / "ckpt"))
+    chunk = md.tensors["big"].chunks[0]
+    data = tmp_path / "ckpt" / chunk.file
+    raw = bytearray(data.read_bytes())
+    raw[chunk.byte_offset + 12345] ^= 0xFF
+    data.write_bytes(raw)
+    with pytest.raises(dcp.CorruptCheckpointError,
+                       match=rf"'big': checksum mismatch .* file '{chunk.file}'"):
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "bad"))
+    assert not list((tmp_path / "bad").glob("*.safetensors"))
+
+
+def test_buffer_pool_waits_rather_than_keep_more_than_its_capacity():
+    """A free mapping larger than asked is handed out whole (cut to size);
+    while it is in use a request that no longer fits waits for it to come
+    back instead of mapping more (the import's RSS stays within the pool's
+    capacity)."""
+    import threading
+
+    from dcp.interop.parallel import BufferPool
+
+    pool = BufferPool(10 << 20)
+    a = pool.take(6 << 20)
+    mapping = a.obj
+    pool.give(a)
+    b = pool.take(3 << 20)  # the 6 MiB mapping: 6 MiB kept, in use
+    assert b.obj is mapping
+    got: list[memoryview] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(5 << 20)), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # 6 + 5 MiB would exceed 10
+    pool.give(b)
+    waiter.join(10)
+    assert len(got) == 1 and got[0].obj is mapping and len(got[0]) == 5 << 20
+    assert pool._kept == 6 << 20

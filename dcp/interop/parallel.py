@@ -20,6 +20,9 @@ whole before a byte moves, then run as independent *file tasks*:
   task whose buffers are produced on demand; the task's reader threads
   fetch and consolidate the next tensors ahead of the writer (read and
   write overlap) within the budget, shared by the files written at once.
+  A tensor stored whole in one chunk is not read into a buffer where the
+  storage maps its files: its CRC-32C is checked on the page cache's
+  bytes, which the writer then writes (``O_DIRECT`` where aligned).
 
 Tasks run on a thread pool (the destination's ``thread_count``), under a
 :class:`ByteBudget` of ``buffer_bytes`` — peak memory stays within the
@@ -32,6 +35,7 @@ a failure on any rank leaves nothing committed (each rank deletes its files).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import threading
@@ -126,22 +130,29 @@ def aligned_bytes(nbytes: int) -> memoryview:
 class BufferPool:
     """Page-aligned buffers (:func:`aligned_bytes`) handed back after use
     and handed out again, so that a conversion faults in and zeroes its
-    memory once, not once per file.  The buffers kept, in use or free, stay
-    within ``capacity`` bytes (free ones are unmapped to make room; one
-    request larger than that is allocated alone).  Only for buffers whose
-    every user is done when they come back (a write that has returned)."""
+    memory once, not once per file.  The mappings kept, in use or free, stay
+    within ``capacity`` bytes — a buffer handed out may be a larger free
+    mapping cut to size, and the whole mapping counts: :meth:`take` unmaps
+    free ones to make room and waits for buffers to come back while those in
+    use leave no room (one request larger than ``capacity`` is allocated
+    once nothing is in use).  Only for buffers whose every user is done when
+    they come back (a write that has returned), each user taking one buffer
+    at a time (so that a wait always ends)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._free: list[mmap.mmap] = []
         self._kept = 0  # bytes of the mappings in use or free
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
 
     def take(self, nbytes: int) -> memoryview:
         """A writable, page-aligned buffer of ``nbytes``."""
         if nbytes == 0:
             return memoryview(bytearray())
-        with self._lock:
+        with self._cv:
+            self._cv.wait_for(lambda: any(len(m) >= nbytes for m in self._free)
+                              or self._in_use() + nbytes <= self.capacity
+                              or not self._in_use())
             fits = [m for m in self._free if len(m) >= nbytes]
             if fits:
                 best = min(fits, key=len)
@@ -152,11 +163,15 @@ class BufferPool:
             self._kept += nbytes
         return memoryview(mmap.mmap(-1, nbytes))
 
+    def _in_use(self) -> int:
+        return self._kept - sum(map(len, self._free))
+
     def give(self, buf: memoryview) -> None:
         """Hand ``buf`` (from :meth:`take`) back for reuse."""
         if isinstance(buf.obj, mmap.mmap):
-            with self._lock:
+            with self._cv:
                 self._free.append(buf.obj)
+                self._cv.notify_all()
 
 
 # ---- ranks -----------------------------------------------------------------
@@ -309,19 +324,24 @@ def read_tensors(storage: StoragePlugin, items: Sequence[tuple[str, TensorMeta, 
                 f"reading {', '.join(map(repr, dict.fromkeys(owners[file])))} from file "
                 f"{file!r} of {storage.checkpoint_id!r} failed: {e}") from e
     for fqn, meta, out in items:
-        if all(c.checksum is None for c in meta.chunks):
+        verify(fqn, meta, out)
+
+
+def verify(fqn: str, meta: TensorMeta, out: memoryview) -> None:
+    """Check the recorded CRC-32C of each chunk of ``fqn`` against its
+    bytes in ``out`` (the whole tensor, row-major).  Raises
+    :class:`CorruptCheckpointError` naming the tensor, chunk and file."""
+    itemsize = DTYPE_ITEMSIZE[meta.dtype]
+    for chunk in meta.chunks:
+        if chunk.checksum is None:
             continue
-        itemsize = DTYPE_ITEMSIZE[meta.dtype]
-        for chunk in meta.chunks:
-            if chunk.checksum is None:
-                continue
-            crc = 0
-            for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
-                crc = checksum(out[start:start + length], crc)
-            if crc != chunk.checksum:
-                raise CorruptCheckpointError(
-                    f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} of "
-                    f"file {chunk.file!r}: the checkpoint is corrupted")
+        crc = 0
+        for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
+            crc = checksum(out[start:start + length], crc)
+        if crc != chunk.checksum:
+            raise CorruptCheckpointError(
+                f"{fqn!r}: checksum mismatch in chunk at offsets {list(chunk.offsets)} of "
+                f"file {chunk.file!r}: the checkpoint is corrupted")
 
 
 def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, *,
@@ -464,10 +484,15 @@ class _ReadAhead(Sequence):
     """The buffers of one :class:`OutputFile` for ``write_file``: the
     header, then each tensor, read (by ``read`` where it reads it) and cast
     by ``pool`` ahead of the writer while the bytes in flight fit
-    ``budget``, shared by every file written at once.  A buffer's bytes
+    ``budget``, shared by every file written at once.  A tensor stored
+    whole in one chunk of a file the storage maps (:meth:`StoragePlugin.mapped`)
+    and not cast is not read at all: its checksum is verified on the page
+    cache's bytes and the writer writes them from there (no copy, and
+    aligned for direct I/O where the chunk is).  A buffer's bytes
     leave the budget when the writer asks for the one after the next: the
     writer's loop still holds the buffer it has just written when it asks
-    for the next (so the budget counts what is alive).  A file waits for
+    for the next (so the budget counts what is alive); a mapped one's pages
+    are unmapped then (:meth:`_unmap_written`).  A file waits for
     the budget only for the tensor it must return now (or its first), and
     says what it holds, so the budget never lets every file wait (no
     deadlock); a tensor larger than the budget passes alone."""
@@ -500,24 +525,46 @@ class _ReadAhead(Sequence):
             return size
         return size + meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast]
 
-    def _fetch(self, i: int) -> memoryview:
+    def _fetch(self, i: int) -> tuple[memoryview, contextlib.ExitStack, int | None]:
+        """Tensor ``i``'s bytes for the writer, what keeps them valid
+        (closed once the writer is done with them), and where they start in
+        the mapped file they are a view of (``None``: in a buffer of
+        their own)."""
         fqn, meta, cast = self.out.tensors[i]
         whole = self.read is not None and self.read.reads_whole(fqn)
         if whole:
             self.read.check_readable(fqn)  # type: ignore[union-attr]
         else:
             check_readable(self.storage, fqn, meta)  # before its memory is allocated
+        keep = contextlib.ExitStack()
+        if (cast is None or cast == meta.dtype) and not whole and len(meta.chunks) == 1 \
+                and meta.chunks[0].sizes == meta.shape:
+            chunk = meta.chunks[0]
+            mapping = keep.enter_context(self.storage.mapped(chunk.file))
+            if mapping is not None:  # the page cache's bytes: checksummed and written, no copy
+                view = mapping[chunk.byte_offset:chunk.byte_offset + meta.nbytes]
+                try:
+                    if len(view) < meta.nbytes:
+                        raise CorruptCheckpointError(
+                            f"{fqn!r}: file {chunk.file!r} of {self.storage.checkpoint_id!r} "
+                            f"ends before the chunk's byte {chunk.byte_offset + meta.nbytes}")
+                    verify(fqn, meta, view)
+                except BaseException:
+                    keep.close()
+                    raise
+                return view, keep, chunk.byte_offset
+            keep.close()
         raw = aligned_bytes(meta.nbytes)
         if whole:
             self.read.read_whole(fqn, raw)  # type: ignore[union-attr]
         else:
             read_tensors(self.storage, [(fqn, meta, raw)])
         if cast is None or cast == meta.dtype or not meta.nbytes:
-            return raw
+            return raw, keep, None
         out = aligned_bytes(meta.nbytes // DTYPE_ITEMSIZE[meta.dtype] * DTYPE_ITEMSIZE[cast])
         source = tensors.from_bytes(tensors.bytes_of(raw), meta.dtype, meta.shape)
         tensors.copy_into(tensors.from_bytes(tensors.bytes_of(out), cast, meta.shape), source)
-        return out
+        return out, keep, None
 
     def _submit_ahead(self, need: int) -> None:
         """Submit reads in order while they fit the budget, waiting for it
@@ -543,16 +590,37 @@ class _ReadAhead(Sequence):
             return self.out.header
         for done in [k for k in self.futures if k < i - 2]:  # dead: the writer let go of it
             self._drop(done)
+        if i >= 2:
+            self._unmap_written(i - 2)
         self._submit_ahead(i - 1)
         if i - 1 not in self.futures:
             raise CheckpointError(f"{self.out.name!r}: buffer {i} asked for out of order")
-        view = self.futures[i - 1].result()
+        view = self.futures[i - 1].result()[0]
         if self.on_bytes is not None:
             self.on_bytes(len(view))
         return view
 
+    def _unmap_written(self, k: int) -> None:
+        """Tensor ``k``, written (the writer asks for the buffer after it),
+        leaves the budget now if it is a view of a mapped file: its pages
+        are unmapped from this process (``MADV_DONTNEED``; the page cache
+        keeps them, and a later touch maps the same bytes again), though the
+        writer's loop still holds the view."""
+        view, _, start = self.futures[k].result()
+        if start is None or not self.sizes[k]:
+            return
+        page = mmap.PAGESIZE
+        begin = start - start % page
+        end = min(len(view.obj), -(-(start + len(view)) // page) * page)
+        view.obj.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        self.held -= self.sizes[k]
+        self.budget.release(self.sizes[k])
+        self.sizes[k] = 0
+
     def _drop(self, k: int) -> None:
-        self.futures.pop(k)
+        future = self.futures.pop(k)
+        if not future.cancelled() and future.exception() is None:
+            future.result()[1].close()  # waits for a fetch still running
         size = self.sizes.pop(k)
         self.held -= size
         self.budget.release(size)

@@ -339,18 +339,21 @@ def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
 
 
 def encode_header(entries: list[tuple[str, str, tuple[int, ...], int, int]],
-                  metadata: dict[str, str]) -> bytes:
+                  metadata: dict[str, str], alignment: int = 8) -> bytes:
     """The header bytes of a ``.safetensors`` file (length prefix included).
 
     ``entries`` are ``(name, checkpoint dtype, shape, begin, end)``, offsets
-    relative to the data.  The JSON is padded with spaces to a multiple of 8
-    bytes, as the reference writer does, so the data starts 8-aligned.
+    relative to the data.  The JSON is padded with spaces (which the format
+    allows) so that the data starts at a multiple of ``alignment`` bytes, a
+    multiple of 8 (8, as the reference writer pads; a destination's direct-I/O
+    alignment, so that the tensors after the header are written without a
+    copy).
     """
     doc: dict = {"__metadata__": metadata}
     for name, dtype, shape, begin, end in entries:
         doc[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % alignment)
     return len(text).to_bytes(8, "little") + text
 
 
@@ -412,7 +415,10 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     ``model.safetensors``; more as ``model-00001-of-0000N.safetensors``
     with ``model.safetensors.index.json`` (written last).  Within a shard
     tensors are ordered by descending item size, so each starts aligned to
-    it.  With a ``process_group`` each rank of it writes a share of the shards
+    it; the header is padded so that the data starts at the destination's
+    :attr:`~dcp.core.storage.StoragePlugin.alignment` (4096 bytes for a
+    local folder written with ``fsync``: the tensors go to disk with direct
+    I/O).  With a ``process_group`` each rank of it writes a share of the shards
     and rank 0 the index (collective).
 
     Args:
@@ -492,7 +498,8 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
                             offset + sizes[fqn]))
             offset += sizes[fqn]
             weight_map[names[fqn]] = file
-        outputs.append(OutputFile(file, encode_header(entries, header_meta),
+        outputs.append(OutputFile(file, encode_header(entries, header_meta,
+                                                      math.lcm(8, dest.alignment)),
                                   [(f, md.tensors[f], casts[f]) for f in shard]))
         result.tensors += len(shard)
         result.nbytes += offset
