@@ -70,12 +70,129 @@ def test_resize_rules_and_per_rank_encoding():
         per_rank.encode({1, 2})
 
 
+def test_derive_rng_gives_every_generator_its_own_deterministic_stream():
+    import base64
+    import random
+
+    import numpy as np
+
+    from dcp.manager import rng
+    saved = [rng.capture(), rng.capture()]
+    derived = dcp.DeriveRNG()(saved, 1, 3)
+    assert derived == dcp.DeriveRNG()(saved, 1, 3)  # deterministic
+    assert derived != dcp.DeriveRNG()(saved, 0, 3)
+    python_words = list(derived["python"][1][:624])
+    numpy_words = np.frombuffer(base64.b64decode(derived["numpy"][1]), dtype=np.uint32).tolist()
+    assert python_words != numpy_words  # they were the same Mersenne Twister state
+
+    def draws() -> tuple[list[int], list[int], list[int]]:
+        rng.restore(derived, "test")
+        return ([random.getrandbits(32) for _ in range(4)],
+                [int(v) for v in np.random.randint(0, 2**31, 4)],
+                torch.randint(0, 2**31, (4,)).tolist())
+
+    first = draws()
+    assert draws() == first
+    py, nump, tor = first
+    assert py != nump and py != tor and nump != tor
+
+
+def test_a_step_not_newer_than_the_newest_complete_one_is_refused(tmp_path):
+    """The latest is always the highest complete step: a save of a lower
+    step, or of a complete step this manager did not save or load, raises;
+    re-saving the step just saved is no save."""
+    root = tmp_path / "run"
+    state = {"w": torch.arange(3.0)}
+    with dcp.CheckpointManager(root, async_save=False, keep_latest=0, save_rng=False) as mgr:
+        assert mgr.save(3, state, force=True)
+        with pytest.raises(dcp.CheckpointError) as e:
+            mgr.save(2, state, force=True)
+        assert str(e.value) == (f"{str(root)!r}: cannot save step 2: step 3 is already "
+                                f"complete or saved there, and a step must be newer than the "
+                                f"newest (resume with load_latest, or save under another root)")
+        assert mgr.save(3, state, force=True) is False
+        assert mgr.steps() == [3] and mgr.latest_step() == 3
+    with dcp.CheckpointManager(root, async_save=False, keep_latest=0, save_rng=False) as mgr:
+        for step in (2, 3):  # a new job that did not resume
+            with pytest.raises(dcp.CheckpointError, match=f"cannot save step {step}: step 3 "):
+                mgr.save(step, state, force=True)
+        assert mgr.save(4, state, force=True)
+        assert mgr.steps() == [3, 4] and mgr.latest_step() == 4
+    assert json.loads((root / POINTER).read_text())["step"] == 4
+
+
+def test_steps_are_non_negative_integers_and_the_state_a_dict(tmp_path):
+    import numpy as np
+    root = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    with dcp.CheckpointManager(root, async_save=False, save_rng=False) as mgr:
+        for bad in (-1, 2.0, True, "3", None):
+            with pytest.raises(dcp.CheckpointError,
+                               match=rf"step must be a non-negative integer, not {bad!r} "):
+                mgr.save(bad, {"model": model}, force=True)
+        assert mgr.save(np.int64(4), {"model": model}, force=True)
+        assert mgr.steps() == [4] and mgr.latest_step() == 4
+        assert mgr.export(np.int64(4), model).endswith("/export-4")
+        with pytest.raises(dcp.CheckpointError, match="non-negative integer, not -2 "):
+            mgr.export(-2, model)
+        for call in (lambda: mgr.save(5, model, force=True), lambda: mgr.load_latest(model)):
+            with pytest.raises(dcp.CheckpointError) as e:
+                call()
+            assert str(e.value) == (f"{str(root)!r}: the state must be a dict of values and "
+                                    f'Statefuls, e.g. {{"model": model, "optim": optim}}, '
+                                    f"not a Linear")
+        assert mgr.steps() == [4]
+    with dcp.CheckpointManager(root, async_save=False, save_rng=False) as mgr:
+        fresh = torch.nn.Linear(2, 2)
+        assert mgr.load_latest({"model": fresh}) == 4
+        assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_root_in_a_missing_bucket_fails_before_training():
+    root = "s3://hyperdcp-no-such-bucket/run"
+    mgr = dcp.CheckpointManager(root, storage_options=s3_server.options(s3_server.endpoint()))
+    for call in (lambda: mgr.load_latest({}), lambda: mgr.save(1, {}, force=True)):
+        with pytest.raises(dcp.CheckpointError) as e:
+            call()
+        assert str(e.value) == (f"{root!r}: listing the root failed: FileNotFoundError: The "
+                                f"specified bucket does not exist")
+    assert mgr.in_flight is None
+    mgr.close()
+
+
 def test_keep_latest_1_with_async_and_coordination_none_are_refused(tmp_path):
     with pytest.raises(dcp.CheckpointError, match="at least 2"):
         dcp.CheckpointManager(tmp_path, keep_latest=1)
     with pytest.raises(dcp.CheckpointError, match="'none'"):
         dcp.CheckpointManager(tmp_path, coordination="none")
     dcp.CheckpointManager(tmp_path, keep_latest=1, async_save=False).close()
+    (tmp_path / "file").write_bytes(b"not a folder")
+    with pytest.raises(dcp.CheckpointError) as e:
+        dcp.CheckpointManager(tmp_path / "file", async_save=False)
+    assert str(e.value) == (f"{str(tmp_path / 'file')!r}: the root is a file, not a folder: no "
+                            f"step folder can be saved or found under it")
+    with pytest.raises(dcp.CheckpointError, match=r"LatestN\) 1 with async saves"):
+        dcp.CheckpointManager(tmp_path, preservation=dcp.LatestN(1))
+    with pytest.raises(dcp.CheckpointError, match=r"LatestN\) 1 with async saves"):
+        dcp.CheckpointManager(tmp_path, preservation=dcp.AnyOf(dcp.BestN("loss", 2),
+                                                               dcp.LatestN(1)))
+    dcp.CheckpointManager(tmp_path, preservation=dcp.LatestN(1), async_save=False).close()
+    for kwargs, message in [
+            ({"keep_latest": -1}, "LatestN (keep_latest): n must be an integer of at least 0, "
+                                  "not -1"),
+            ({"keep_latest": 2.5}, "LatestN (keep_latest): n must be an integer of at least 0, "
+                                   "not 2.5"),
+            ({"keep_every": 0}, "EveryNSteps (keep_every): n must be an integer of at least 1, "
+                                "not 0"),
+            ({"keep_every": -3}, "EveryNSteps (keep_every): n must be an integer of at least 1, "
+                                 "not -3"),
+            ({"preservation": None, "keep_every": True}, "EveryNSteps (keep_every): n must be an "
+                                                         "integer of at least 1, not True")]:
+        with pytest.raises(dcp.CheckpointError) as e:
+            dcp.CheckpointManager(tmp_path, **kwargs)
+        assert str(e.value) == message
+    with pytest.raises(dcp.CheckpointError, match="BestN: n must be an integer of at least 1"):
+        dcp.BestN("loss", 0)
 
 
 def _adamw(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -479,6 +596,13 @@ def test_cli_list_shows_steps_and_pointer_and_prune_keeps_latest(tmp_path, capsy
     assert out[0] == "latest.json: step 10 (verified)"
     assert [line.split(":")[0] for line in out[1:5]] == ["step-2", "step-9", "step-10", "step-11"]
     assert "step-11: incomplete" in out[4] and "complete;" in out[1]
+    pointer = (root / POINTER).read_bytes()
+    (root / POINTER).write_text("garbage")
+    assert main(["list", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        'latest.json: not a pointer (unreadable, or not {"step": N, "save_id": ...}): hyperdcp '
+        'and load_latest fall back to listing')
+    (root / POINTER).write_bytes(pointer)
     assert main(["list", str(root), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [e["name"] for e in listed if e.get("latest")] == ["step-10"]

@@ -41,11 +41,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import numbers
 import os
 import re
 import signal
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,14 @@ def _needs_metrics(policy: Any) -> bool:
     return hasattr(policy, "metric")
 
 
+def _latest_counts(policy: Any) -> list[int]:
+    """The ``n`` of every :class:`LatestN` in a preservation policy."""
+    inner = getattr(policy, "policies", None)
+    if inner is not None:
+        return [n for p in inner for n in _latest_counts(p)]
+    return [policy.n] if isinstance(policy, LatestN) else []
+
+
 def _metrics_of(md: Metadata) -> dict:
     prefix = f"{KEY}.metrics."
     return {k[len(prefix):]: o.value for k, o in md.objects.items() if k.startswith(prefix)}
@@ -238,18 +248,20 @@ class CheckpointManager:
             raise CheckpointError(f"{self.root!r}: the manager saves with coordination 'gloo' "
                                   f"or 'file', not {coordination!r}: a step is complete only "
                                   f"once one metadata is committed for every rank")
-        if async_save and 0 < keep_latest < 2 and preservation is None:
-            raise CheckpointError(f"{self.root!r}: keep_latest={keep_latest} with async saves: "
-                                  f"it must be at least 2 (or 0, keep all), since the newest "
-                                  f"step may still be saving when the next one starts")
+        if preservation is None:
+            preservation = AnyOf(LatestN(keep_latest),
+                                 *([EveryNSteps(keep_every)] if keep_every is not None else []))
+        for n in _latest_counts(preservation):
+            if async_save and 0 < n < 2:
+                raise CheckpointError(f"{self.root!r}: keep_latest (LatestN) {n} with async "
+                                      f"saves: it must be at least 2 (or 0, keep all), since "
+                                      f"the newest step may still be saving when the next "
+                                      f"one starts")
         self.async_save, self.coordination, self.timeout = async_save, coordination, timeout
         self.blocking_staging = blocking_staging
         self.save_policy: SaveDecision = AnyOf(
             save_policy if save_policy is not None else FixedInterval(interval),
             Forced(), *([OnPreemption()] if save_on_preemption else []))
-        if preservation is None:
-            preservation = AnyOf(LatestN(keep_latest),
-                                 *([EveryNSteps(keep_every)] if keep_every else []))
         self.preservation = preservation
         self.save_rng, self.exclude = save_rng, tuple(exclude_from_loading)
         self.rng_on_resize = rng_on_resize
@@ -258,6 +270,10 @@ class CheckpointManager:
         self.save_on_preemption = save_on_preemption
         self.process_group = process_group
         self._storage = open_storage(self.root, **self.storage_options)
+        folder = getattr(self._storage, "root", None)
+        if isinstance(folder, Path) and folder.exists() and not folder.is_dir():
+            raise CheckpointError(f"{self.root!r}: the root is a file, not a folder: no step "
+                                  f"folder can be saved or found under it")
 
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
@@ -280,6 +296,10 @@ class CheckpointManager:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._in_flight: tuple[int, AsyncSaveResponse, threading.Event] | None = None
         self._last_saved: int | None = None
+        #: the newest step complete under the root or saved by this manager,
+        #: once known (rank 0's reading, broadcast): a save must be newer
+        self._newest: int | None = None
+        self._newest_known = False
         self._metrics: dict[int, dict] = {}
         self._retention: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -300,8 +320,16 @@ class CheckpointManager:
         return self._in_flight[0]
 
     def steps(self) -> list[int]:
-        """The complete steps under the root, ascending (one listing)."""
-        return complete_steps(self._storage.list_files())
+        """The complete steps under the root, ascending (one listing; a
+        root that cannot be listed, a missing bucket, raises naming it)."""
+        try:
+            names = self._storage.list_files()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.root!r}: listing the root failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        return complete_steps(names)
 
     def latest_step(self) -> int | None:
         """The newest complete step: the pointer, checked against that
@@ -340,10 +368,13 @@ class CheckpointManager:
         step.  ``metrics`` (the same on every rank) are kept with the step
         for :class:`BestN`."""
         self._check_open()
+        step = self._check_step(step)
+        self._check_state(state)
         preempted, forced = self._agree([int(self._sigterm), int(force)])
         ctx = SaveContext(step, bool(forced), bool(preempted))
         if not self.save_policy.should_save(ctx):
             return False
+        self._check_newer(step)
         if preempted and self.save_on_preemption:  # last words: now, synchronously
             if self._last_saved != step:
                 self._save(step, state, metrics, asynchronous=False)
@@ -354,6 +385,38 @@ class CheckpointManager:
             return False
         self._save(step, state, metrics, asynchronous=self.async_save)
         return True
+
+    def _check_step(self, step: Any) -> int:
+        """``step`` as an ``int``: any non-negative integer (``np.int64``
+        included), not a bool, a float or a negative number."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise CheckpointError(f"{self.root!r}: the step must be a non-negative integer, "
+                                  f"not {step!r} ({type(step).__name__})")
+        return int(step)
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{self.root!r}: the state must be a dict of values and Statefuls, e.g. "
+                f"{{\"model\": model, \"optim\": optim}}, not a {type(state).__name__}")
+
+    def _check_newer(self, step: int) -> None:
+        """Refuse a save of a step not newer than the newest complete one
+        (or one this manager saved), on every rank alike: the latest is
+        always the highest complete step.  Re-saving the step this manager
+        last saved or loaded is no save (:meth:`save` returns False)."""
+        if not self._newest_known:
+            self._set_newest(self._on_rank0(self.latest_step))
+        if self._newest is not None and step <= self._newest and step != self._last_saved:
+            raise CheckpointError(
+                f"{self.root!r}: cannot save step {step}: step {self._newest} is already "
+                f"complete or saved there, and a step must be newer than the newest "
+                f"(resume with load_latest, or save under another root)")
+
+    def _set_newest(self, step: int | None) -> None:
+        self._newest_known = True
+        if step is not None and (self._newest is None or step > self._newest):
+            self._newest = step
 
     def _compose(self, step: int, state: dict, metrics: dict | None) -> dict:
         if KEY in state:
@@ -377,6 +440,7 @@ class CheckpointManager:
         composed = self._compose(step, state, metrics)
         uri = self.step_uri(step)
         self._last_saved = step
+        self._set_newest(step)
         self._metrics[step] = dict(metrics or {})
         if not asynchronous:
             try:
@@ -470,6 +534,20 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=self._src, group=self._cpu_group)
         return box[0]
 
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, its result broadcast; its CheckpointError
+        raised on every rank."""
+        result: Any = None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except CheckpointError as e:
+                result = e
+        result = self._broadcast(result)
+        if isinstance(result, CheckpointError):
+            raise result
+        return result
+
     def load_latest(self, state: dict) -> int | None:
         """Load the newest complete step into ``state`` (in place, as
         :func:`dcp.load`; :class:`PerRank` values through their own rule)
@@ -477,19 +555,17 @@ class CheckpointManager:
         when no step is complete (after loading ``initial_load_path``, if
         set).  Collective."""
         self._check_open()
+        self._check_state(state)
         self.wait()
-        found: tuple[int, Metadata] | None | CheckpointError = None
-        if self.rank == 0:
-            try:
-                step = self.latest_step()
-                if step is not None:
-                    found = (step, read_metadata(self.step_uri(step),
-                                                 storage_options=self.storage_options))
-            except CheckpointError as e:
-                found = e
-        found = self._broadcast(found)
-        if isinstance(found, CheckpointError):
-            raise found
+
+        def newest() -> tuple[int, Metadata] | None:
+            step = self.latest_step()
+            if step is None:
+                return None
+            return step, read_metadata(self.step_uri(step), storage_options=self.storage_options)
+
+        found = self._on_rank0(newest)
+        self._set_newest(found[0] if found is not None else None)
         if found is None:
             if self.initial_load_path is not None:
                 self._initial_load(state)
@@ -622,6 +698,7 @@ class CheckpointManager:
         ``<root>/export-<step>``), as a checkpoint or, with
         ``safetensors=True``, as a Hugging Face safetensors folder; returns
         where.  Collective."""
+        step = self._check_step(step)
         self.wait()
         dtype = dtype if dtype is not None else self.export_dtype
         sd = model_state.state_dict() if callable(getattr(model_state, "state_dict", None)) \

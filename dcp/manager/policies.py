@@ -21,6 +21,12 @@ from typing import Protocol
 from dcp.errors import CheckpointError
 
 
+def _count(policy: str, n: object, least: int) -> None:
+    """Refuse a count that is not an integer of at least ``least``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise CheckpointError(f"{policy}: n must be an integer of at least {least}, not {n!r}")
+
+
 @dataclass(frozen=True)
 class SaveContext:
     """What a save decision sees: the ``step``, whether the caller
@@ -97,9 +103,12 @@ class LatestN:
 
     n: int
 
+    def __post_init__(self) -> None:
+        _count("LatestN (keep_latest)", self.n, 0)
+
     def keep(self, steps: list[StepInfo]) -> set[int]:
         ordered = sorted(s.step for s in steps)
-        return set(ordered if self.n <= 0 else ordered[-self.n:])
+        return set(ordered if self.n == 0 else ordered[-self.n:])
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,9 @@ class EveryNSteps:
     """Keep every step that is a multiple of ``n``."""
 
     n: int
+
+    def __post_init__(self) -> None:
+        _count("EveryNSteps (keep_every)", self.n, 1)
 
     def keep(self, steps: list[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.n == 0}
@@ -123,6 +135,7 @@ class BestN:
     mode: str = "min"
 
     def __post_init__(self) -> None:
+        _count("BestN", self.n, 1)
         if self.mode not in ("min", "max"):
             raise CheckpointError(f"BestN mode must be 'min' or 'max', not {self.mode!r}")
 

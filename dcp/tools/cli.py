@@ -60,7 +60,7 @@ from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointEr
 from dcp.interop import safetensors_io, torch_dcp_io
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
-from dcp.manager.manager import STEP_PREFIX, prune_steps, read_pointer, step_of
+from dcp.manager.manager import POINTER, STEP_PREFIX, prune_steps, read_pointer, step_of
 from dcp.manager.policies import LatestN
 from dcp.orchestration import inventory
 from dcp.orchestration.load import read_metadata
@@ -288,6 +288,9 @@ def _list(args) -> int:
         return 0
     if latest is not None:
         print(f"latest.json: step {latest} ({verdict})")
+    elif open_storage(args.root, **options).exists(POINTER):
+        print(f"{POINTER}: not a pointer (unreadable, or not {{\"step\": N, \"save_id\": ...}}):"
+              f" hyperdcp and load_latest fall back to listing")
     for e in found:
         state = e.state
         if e.state == inventory.COMPLETE and e.orphans:
