@@ -168,6 +168,11 @@ def test_export_casts_floating_point_tensors_and_filters_by_prefix(tmp_path):
                 continue
             expected = value.to(torch.bfloat16) if value.is_floating_point() else value
             assert_bitwise_equal(f.get_tensor(fqn.removeprefix("model.")), expected, fqn)
+    # a torch.dtype means the same as its name
+    checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "out2"),
+                              dtype=torch.bfloat16, model_only=True, buffer_bytes=BUDGET)
+    assert (tmp_path / "out2" / "model.safetensors").read_bytes() == \
+        (tmp_path / "out" / "model.safetensors").read_bytes()
     checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "opt"), prefix="optim.")
     with safe_open(tmp_path / "opt" / "model.safetensors", "pt") as f:
         assert list(f.keys()) == ["state.m"]
@@ -176,6 +181,8 @@ def test_export_casts_floating_point_tensors_and_filters_by_prefix(tmp_path):
         checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "x"), prefix="nope.")
     with pytest.raises(dcp.CheckpointError, match="'int8' is not a floating-point dtype"):
         checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "x"), dtype="int8")
+    with pytest.raises(dcp.CheckpointError, match="'int8' is not a floating-point dtype"):
+        checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "x"), dtype=torch.int8)
 
 
 def test_a_corrupt_chunk_fails_the_import_naming_tensor_and_file_and_commits_nothing(tmp_path):

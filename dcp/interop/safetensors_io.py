@@ -38,6 +38,8 @@ import json
 import math
 import re
 
+import torch
+
 from dcp.core import tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
@@ -376,10 +378,14 @@ def _is_float(dtype: str) -> bool:
     return tensors.torch_dtype(dtype).is_floating_point
 
 
-def _export_selection(md: Metadata, prefix: str | None, dtype: str | None, where: str
+def _export_selection(md: Metadata, prefix: str | None, dtype: str | torch.dtype | None,
+                      where: str
                       ) -> tuple[dict[str, str], dict[str, str | None]]:
     """The fqns exported, each with its name after stripping ``prefix``,
-    and the dtype each is cast to (floating-point tensors only)."""
+    and the dtype each is cast to (floating-point tensors only; ``dtype`` a
+    name such as ``"bfloat16"`` or a ``torch.dtype``)."""
+    if isinstance(dtype, torch.dtype):
+        dtype = tensors.dtype_name(dtype, "export dtype")
     if dtype is not None and (dtype not in DTYPE_ITEMSIZE or not _is_float(dtype)):
         raise CheckpointError(f"export dtype {dtype!r} is not a floating-point dtype name "
                               f"(such as 'bfloat16', 'float16', 'float32')")
@@ -398,7 +404,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
                               max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                               rename: dict[str, str] | None = None,
                               metadata: dict[str, str] | None = None, overwrite: bool = False,
-                              dtype: str | None = None, model_only: bool = False,
+                              dtype: str | torch.dtype | None = None, model_only: bool = False,
                               remap: dict | None = None,
                               prefix: str | None = None,
                               buffer_bytes: int = DEFAULT_BUDGET_BYTES,
@@ -433,8 +439,9 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
             ``{"format": "pt"}``.
         overwrite: allow a destination that already holds safetensors files;
             those the export does not rewrite are deleted after it.
-        dtype: cast floating-point tensors to this dtype (``"bfloat16"``,
-            ``"float16"``, ...); integer and bool tensors are kept.
+        dtype: cast floating-point tensors to this dtype (a name such as
+            ``"bfloat16"``, or a ``torch.dtype``); integer and bool tensors
+            are kept.
         remap: a map applied first (:mod:`dcp.interop.remap`), e.g.
             ``remap.inverse(fused_map, metadata)`` to publish a fused
             training layout under the Hugging Face names.
