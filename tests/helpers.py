@@ -156,3 +156,17 @@ def assert_dtensor_equals_full(actual, full: torch.Tensor, what: str = "") -> No
     expected = make_dtensor(full, actual.device_mesh, list(actual.placements))
     assert tuple(actual.shape) == tuple(full.shape), f"{what}: global shape {tuple(actual.shape)}"
     assert_bitwise_equal(actual.to_local(), expected.to_local(), what)
+
+
+class RecordingKinds:
+    """Mixed into a coordinator (before it): keeps, on the coordinator, the
+    type names of the write results it gathered, one set per step."""
+
+    kinds: list[set[str]]
+
+    def _gather(self, step, phase, obj):
+        parts = super()._gather(step, phase, obj)  # type: ignore[misc]
+        if parts is not None:
+            self.kinds.append({type(v[3]).__name__ for v, _ in parts
+                               if isinstance(v, tuple) and len(v) == 4})
+        return parts

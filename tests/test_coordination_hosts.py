@@ -15,21 +15,12 @@ from dcp.coordination.plan_cache import PlanCache
 from dcp.core.planner import default_planner
 from dcp.orchestration.save import _Save, describe_state
 from dist_harness import dist_scenario
-from helpers import assert_bitwise_equal, random_tensor
+from helpers import RecordingKinds, assert_bitwise_equal, random_tensor
 from storage_plugins.posix import PosixStorage
 
 
-class _Recording(Coordinator):
-    """A coordinator that keeps the types of the parts it gathered."""
-
-    kinds: list[set[str]]
-
-    def _gather(self, step, phase, obj):
-        parts = super()._gather(step, phase, obj)
-        if parts is not None:
-            self.kinds.append({type(v[3]).__name__ for v, _ in parts
-                               if isinstance(v, tuple) and len(v) == 4})
-        return parts
+class _Recording(RecordingKinds, Coordinator):
+    """Coordinator keeping the kinds of the write results it gathered."""
 
 
 def _coordinator() -> _Recording:

@@ -31,7 +31,7 @@ from dcp.coordination.file_flag import (
 from dcp.coordination.plan_cache import PlanCache
 from dcp.core.planner import default_planner
 from dcp.orchestration.save import _Save, describe_state
-from helpers import assert_bitwise_equal, random_tensor
+from helpers import RecordingKinds, assert_bitwise_equal, random_tensor
 from storage_plugins.posix import PosixStorage
 
 
@@ -180,17 +180,8 @@ def test_failure_on_one_rank_reaches_all_by_the_shared_answer(tmp_path):
     assert not exchange_files(tmp_path)
 
 
-class _Recording(FileCoordinator):
-    """Keeps, on the coordinator, the kinds of the write results it gathered."""
-
-    kinds: list[set[str]]
-
-    def _gather(self, step, phase, obj):
-        parts = super()._gather(step, phase, obj)
-        if parts is not None:
-            self.kinds.append({type(v[3]).__name__ for v, _ in parts
-                               if isinstance(v, tuple) and len(v) == 4})
-        return parts
+class _Recording(RecordingKinds, FileCoordinator):
+    """FileCoordinator keeping the kinds of the write results it gathered."""
 
 
 @pytest.mark.parametrize("world", [3, 8, 17])
