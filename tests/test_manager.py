@@ -580,6 +580,39 @@ def test_manager_per_rank_state_rng_and_data_parallel_degree_change_w2(ctx):
         assert torch.equal(first[0], old_rank0[0]) and first[1:] == old_rank0[1:]
         _drop_shm(root)
 
+    # FSDP2: a fresh model's fresh AdamW (empty state) resumes its DTensor states exactly
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    mesh = init_device_mesh("cpu", (2,))
+
+    def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = fully_shard(torch.nn.Linear(4, 6), mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, optim = sharded(0)
+    model(torch.randn(3, 4)).square().sum().backward()
+    optim.step()
+    with dcp.CheckpointManager(ctx.dir / "fsdp2", async_save=False, save_rng=False) as mgr:
+        assert mgr.save(1, {"model": model, "optim": optim}, force=True)
+    fresh_model, fresh_optim = sharded(1)
+    with dcp.CheckpointManager(ctx.dir / "fsdp2", async_save=False, save_rng=False) as mgr:
+        assert mgr.load_latest({"model": fresh_model, "optim": fresh_optim}) == 1
+    saved, loaded = optim.state_dict(), fresh_optim.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"] and sorted(loaded["state"]) == [0, 1]
+    for i, entry in saved["state"].items():
+        assert isinstance(entry["exp_avg"], DTensor)
+        for name, t in entry.items():
+            got = loaded["state"][i][name]
+            assert type(got) is type(t) and got.dtype == t.dtype
+            if isinstance(t, DTensor):
+                assert got.placements == t.placements and torch.equal(got.to_local(), t.to_local())
+            else:
+                assert torch.equal(got, t)
+    for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
+
 
 def test_cli_list_shows_steps_and_pointer_and_prune_keeps_latest(tmp_path, capsys):
     from dcp.tools.cli import main
