@@ -542,7 +542,7 @@ def _report(work: Path, steps: int, interval: int, times: dict[str, float],
           f"step {killed}'s save was not writing when the kill landed")
     check(str(killed) in a["saves"], f"step {killed} was not saved")
     survivors = kill["survivors"]
-    print(f"            step-{killed}: {kill['files']} files, {_mib(kill['bytes'])} on disk once "
+    print(f"            step-{killed}: {kill['files']} file(s), {_mib(kill['bytes'])} on disk once "
           f"the job was dead ({_mib(a['killed']['bytes_seen'])} there when SIGKILL was sent), "
           f"{'metadata.json' if kill['metadata'] else 'no metadata.json: incomplete'}; "
           f"complete steps {kill['complete']}, latest {kill['latest']}; "
