@@ -103,6 +103,12 @@ def test_two_rank_conversions(ctx):
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
         assert hyperdcp(["convert", str(torch_src), str(ctx.shared / "parallel-torch-cli"),
                          "--trust-pickle", "--buffer-bytes", str(BUDGET)]) == 0
+    # a value rank 0 cannot read (pickled, no allow_pickle) fails every rank, none waits
+    pickled = ctx.shared / "parallel-pickled"
+    dcp.save({"w": torch.ones(4), "obj": {1, 2}}, str(pickled), allow_pickle=True)
+    with pytest.raises(dcp.CheckpointError, match="allow_pickle"):
+        checkpoint_to_torch_dcp(str(pickled), str(ctx.shared / "pickled-export"),
+                                process_group=dist.group.WORLD)
     with pytest.raises(dcp.CheckpointError, match=r"'strided'.*stride.*without a process group"):
         torch_dcp_to_checkpoint(str(ctx.shared / "strided-torch"), str(ctx.shared / "strided"),
                                 trusted=True, process_group=dist.group.WORLD)

@@ -228,14 +228,14 @@ def run_collectively(ranks: Ranks, work: Callable[[], object],
         result = work()
     except BaseException as e:  # noqa: BLE001  # reported to every rank, then re-raised
         error, result = e, None
-    outcomes = ranks.gather((None if error is None else _describe(error), result))
+    outcomes = ranks.gather((None if error is None else describe_error(error), result))
     failed = [(r, why) for r, (why, _) in enumerate(outcomes) if why is not None]
     final = None
     if not failed and ranks.rank == 0:
         try:
             final = ("ok", finish([res for _, res in outcomes]))
         except BaseException as e:  # noqa: BLE001
-            error, final = e, ("error", _describe(e))
+            error, final = e, ("error", describe_error(e))
     final = ranks.broadcast(final)
     if not failed and final[0] == "ok":
         return final[1]
@@ -246,7 +246,8 @@ def run_collectively(ranks: Ranks, work: Callable[[], object],
     raise CheckpointError(f"the conversion failed on rank {r}: {why}")
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """An error's type and message, one line, for the other ranks' errors."""
     return "".join(traceback.format_exception_only(type(error), error)).strip()
 
 

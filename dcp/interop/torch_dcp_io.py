@@ -68,6 +68,7 @@ from dcp.interop.parallel import (
     BufferPool,
     ByteBudget,
     Ranks,
+    describe_error,
     import_checkpoint,
     read_tensors,
 )
@@ -622,9 +623,20 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
         meta = md.tensors[fqn]
         state[names[fqn]] = torch.empty(meta.shape, dtype=tensors.torch_dtype(meta.dtype),
                                         device="meta")
+    # the values, read on rank 0: a failure there fails every rank before
+    # torch's collective save starts (the others would wait in it)
+    failure: BaseException | None = None
     if ranks.rank == 0:
-        for fqn, obj in md.objects.items():
-            state[names[fqn]] = read_object(storage, fqn, obj, allow_pickle)
+        try:
+            for fqn, obj in md.objects.items():
+                state[names[fqn]] = read_object(storage, fqn, obj, allow_pickle)
+        except Exception as e:  # reported to every rank, then re-raised here
+            failure = e
+    why = ranks.broadcast(None if failure is None else describe_error(failure))
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise CheckpointError(f"the export failed on rank 0: {why}")
     source = {names[fqn]: (fqn, md.tensors[fqn]) for fqn in mine}
     with progress_bar(sum(md.tensors[f].nbytes for f in mine), "export", progress) as bar:
         try:
