@@ -193,7 +193,7 @@ def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
     if info.transform_descriptors:
         return f"stored through {list(info.transform_descriptors)}"
     nbytes = math.prod(sizes) * dtype.itemsize
-    try:
+    try:  # every value below comes from the file: anything odd means "not raw"
         with zipfile.ZipFile(_Range(storage, info.relative_path, info.offset, info.length)) as z:
             infos = z.infolist()
             pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
@@ -207,18 +207,20 @@ def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
             header = bytearray(30)
             storage.read_ranges(info.relative_path,
                                 [(info.offset + entry.header_offset, memoryview(header))])
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError,
-            EOFError) as e:
+        contiguous = len(stride) == len(size) and all(
+            stride[d] == math.prod(size[d + 1:]) for d in range(len(size)) if size[d] > 1)
+        names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        start = entry.header_offset + 30 + names  # within torch's byte range of the chunk
+        raw = (kind == "storage" and _STORAGE_DTYPES.get(storage_type) == dtype and offset == 0
+               and tuple(size) == sizes and contiguous and numel * dtype.itemsize == nbytes
+               and entry.file_size == nbytes and entry.compress_type == zipfile.ZIP_STORED
+               and entry.filename.endswith(f"/data/{key}") and header[:4] == b"PK\x03\x04"
+               and start + nbytes <= info.length)
+    except Exception as e:  # a damaged or unusual archive: torch's own loader reads it
         return f"not a torch.save of one tensor ({type(e).__name__}: {e})"
-    contiguous = all(stride[d] == math.prod(size[d + 1:]) for d in range(len(size))
-                     if size[d] > 1)
-    if not (kind == "storage" and _STORAGE_DTYPES.get(storage_type) == dtype and offset == 0
-            and size == sizes and contiguous and numel * dtype.itemsize == nbytes
-            and entry.file_size == nbytes and entry.compress_type == zipfile.ZIP_STORED
-            and entry.filename.endswith(f"/data/{key}") and header[:4] == b"PK\x03\x04"):
+    if not raw:
         return f"a {storage_type} of size {size}, stride {stride}, offset {offset}"
-    names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
-    return info.offset + entry.header_offset + 30 + names
+    return info.offset + start
 
 
 _STORAGE_DTYPES = {name: dtype for name, dtype in
