@@ -163,6 +163,28 @@ def test_coordinator_gone_between_steps_fails_every_rank_in_time(tmp_path):
         assert "no answer from the coordinator (rank 0)" in str(results[rank])
 
 
+def test_at_a_timeout_every_missing_rank_is_asked_before_any_is_blamed(tmp_path):
+    """Ranks 1..398 never arrive; rank 399 reports a failure, which the
+    bounded sweeps of the wait never reach (they stop after 4 x 64 misses):
+    the last sweep reads it, so it is reported as what it is, not as "never
+    arrived"."""
+    world = 400
+
+    def body(coord):
+        def local():
+            if coord.rank == 399:
+                raise OSError("disk on fire")
+            return coord.rank
+        return coord.run_all("writing", local)
+
+    results, _ = run_ranks(tmp_path, "blame", world, body, ranks=[0, 399], timeout=1.0)
+    for result in results.values():
+        assert isinstance(result, dcp.CheckpointError), result
+        text = str(result)
+        assert "rank 399: " in text and "disk on fire" in text, text[-300:]
+        assert "rank 399 never arrived" not in text and "rank 398 never arrived" in text
+
+
 def test_failure_on_one_rank_reaches_all_by_the_shared_answer(tmp_path):
     world = 20
 

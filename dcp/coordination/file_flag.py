@@ -201,14 +201,15 @@ class FileCoordinator(CoordinatorBase):
         return f"{EXCHANGE_PREFIX}{self.key}.{step:03d}.{what}"
 
     def _sweep(self, pool: ThreadPoolExecutor, ask: Callable[[str], Any],
-               names: list[str]) -> Iterator[tuple[int, Any]]:
+               names: list[str], bounded: bool = True) -> Iterator[tuple[int, Any]]:
         """``ask(name)`` (a storage request; ``None``: not there yet) over
         ``names`` in order, up to 32 per pool task and at most ``2 *
         read_threads`` tasks in flight, yielding each ``(index, answer)`` in
         order (handled here while the pool asks on).  No task starts once
         ``4 * read_threads`` answers were misses: a sweep asks in vain a
         bounded number of times, so the sweeps of a wait cost O(N) requests
-        in all, plus a bounded number per sweep."""
+        in all, plus a bounded number per sweep (``bounded=False``: every
+        name is asked, for the last sweep before a timeout is reported)."""
         threads = self.read_threads
         size = max(1, min(32, -(-len(names) // (4 * threads))))
         tasks = iter([list(range(i, min(i + size, len(names))))
@@ -220,7 +221,7 @@ class FileCoordinator(CoordinatorBase):
         flying: deque = deque()
         misses = 0
         while True:
-            while len(flying) < 2 * threads and misses < 4 * threads:
+            while len(flying) < 2 * threads and (misses < 4 * threads or not bounded):
                 task = next(tasks, None)
                 if task is None:
                     break
@@ -243,12 +244,12 @@ class FileCoordinator(CoordinatorBase):
         parts: dict[int, Any] = {0: obj}
         pending = list(names)
 
-        def sweep() -> bool | None:
+        def sweep(bounded: bool = True) -> bool | None:
             """Read missing inputs (decoded as they arrive); ``True`` once
             none is missing."""
             nonlocal pending
             for i, payload in self._sweep(pool, self.storage.read_exchange,
-                                          [names[r] for r in pending]):
+                                          [names[r] for r in pending], bounded):
                 rank = pending[i]
                 if payload is None:
                     self.requests["miss"] += 1
@@ -262,7 +263,8 @@ class FileCoordinator(CoordinatorBase):
             return None if pending else True
 
         with ThreadPoolExecutor(self.read_threads) as pool:
-            wait_for(sweep, _FIRST_POLL, self.timeout)
+            if wait_for(sweep, _FIRST_POLL, self.timeout) is None:
+                sweep(bounded=False)  # ranks a bounded sweep never asked are not blamed unread
         self._last_inputs = [names[r] for r in names if r not in pending]
         for rank in pending:
             parts[rank] = (None, failure_of(rank, (
