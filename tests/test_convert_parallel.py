@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -259,19 +260,22 @@ def test_byte_budget_grants_one_waiter_when_every_holder_waits():
         budget.acquire(n, holding=holding)
         granted.append(name)
 
+    def waiting(stuck: int) -> None:  # until the budget counts ``stuck`` bytes held by waiters
+        with budget._cv:
+            assert budget._cv.wait_for(lambda: budget._stuck == stuck, timeout=60)
+
     a = threading.Thread(target=wait, args=("a", 5, 6), daemon=True)
     a.start()
-    a.join(0.5)
-    assert a.is_alive() and not granted  # B still holds bytes and is not waiting: A waits
+    waiting(6)  # A waits, holding 6 ...
+    assert a.is_alive() and not granted  # ... while B holds bytes and is not waiting
     b = threading.Thread(target=wait, args=("b", 5, 4), daemon=True)
     b.start()  # now every holder waits: one of them is granted, the other waits on
-    for _ in range(100):
-        if granted:
-            break
-        threading.Event().wait(0.05)
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not granted and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(granted) == 1 and budget.held == 15
     first = granted[0]
     budget.release({"a": 6 + 5, "b": 4 + 5}[first])  # the granted file finishes
-    a.join(5)
-    b.join(5)
+    a.join(60)
+    b.join(60)
     assert sorted(granted) == ["a", "b"] and not a.is_alive() and not b.is_alive()

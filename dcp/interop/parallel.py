@@ -608,8 +608,8 @@ class _ReadAhead(Sequence):
         keeps them, and a later touch maps the same bytes again), though the
         writer's loop still holds the view."""
         view, _, start = self.futures[k].result()
-        if start is None or not self.sizes[k]:
-            return
+        if start is None or not self.sizes[k] or not hasattr(view.obj, "madvise"):
+            return  # not a view of an mmap: its bytes leave the budget when dropped
         page = mmap.PAGESIZE
         begin = start - start % page
         end = min(len(view.obj), -(-(start + len(view)) // page) * page)

@@ -547,7 +547,12 @@ class _Writer(tdcp.FileSystemWriter):
 
         with ThreadPoolExecutor(max(1, min(dest.thread_count, len(items)))) as pool:
             futures = [pool.submit(write_one, k, item) for k, item in enumerate(items)]
-            results += [f.result() for f in futures]
+            try:
+                results += [f.result() for f in futures]
+            except BaseException:  # the first failure: no file not yet started is written
+                for future in futures:
+                    future.cancel()
+                raise
         done: Future = Future()
         done.set_result(results)
         return done
