@@ -71,13 +71,16 @@ def test_interrupted_save_removes_what_it_wrote(tmp_path, exc):
 def test_ctrl_c_during_a_real_save_leaves_nothing(tmp_path):
     script = tmp_path / "save.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time, torch, dcp
+        import signal, sys, time, torch, dcp
         from storage_plugins.posix import PosixStorage
+        # Ctrl-C as a terminal sends it, whatever this process inherited (a
+        # background job's children start with SIGINT ignored)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         class Slow(PosixStorage):
             def write_file(self, name, buffers):
                 super().write_file(name, buffers)
                 print("wrote", name, flush=True)
-                time.sleep(4.0)  # the interrupt lands mid-save even on a loaded machine
+                time.sleep(1.0)
         if __name__ == "__main__":
             state = {{f"t{{i}}": torch.randn(1 << 16) for i in range(4)}}
             dcp.save(state, {str(tmp_path / 'ckpt')!r},
