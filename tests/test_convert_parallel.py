@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dcp
-from dcp.interop.parallel import BufferPool, ByteBudget
+from dcp.interop import parallel, torch_dcp_io
+from dcp.interop.parallel import BufferPool, ByteBudget, tensor_bytes
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
 from dcp.interop.torch_dcp_io import checkpoint_to_torch_dcp, torch_dcp_to_checkpoint
 from dist_harness import dist_scenario
@@ -228,6 +229,38 @@ def test_byte_budget_holds_at_most_its_capacity_but_lets_a_larger_request_pass_a
     budget.acquire(25)  # larger than the whole budget: granted once nothing is held
     assert budget.peak == 25
     budget.release(25)
+
+
+def test_conversions_hold_tensors_within_the_budget_less_its_reserve(tmp_path, monkeypatch):
+    """Every conversion's byte budget is ``buffer_bytes`` less the share
+    kept for the process's own memory, and what it held stayed within that
+    (or one tensor larger than it, alone)."""
+    budgets: list[ByteBudget] = []
+
+    class Recorded(ByteBudget):
+        def __init__(self, capacity: int) -> None:
+            super().__init__(capacity)
+            budgets.append(self)
+
+    monkeypatch.setattr(parallel, "ByteBudget", Recorded)
+    monkeypatch.setattr(torch_dcp_io, "ByteBudget", Recorded)
+    largest = max(t.numel() * t.element_size() for t in _model().values())
+    src = _hf_folder(tmp_path / "hf")
+    safetensors_to_checkpoint(str(src), str(tmp_path / "ckpt"), buffer_bytes=BUDGET)
+    checkpoint_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "hf-out"),
+                              max_shard_size="400KB", buffer_bytes=BUDGET)
+    checkpoint_to_torch_dcp(str(tmp_path / "ckpt"), str(tmp_path / "torch"), buffer_bytes=BUDGET)
+    torch_dcp_to_checkpoint(str(tmp_path / "torch"), str(tmp_path / "back"), trusted=True,
+                            buffer_bytes=BUDGET)
+    assert len(budgets) == 4
+    assert tensor_bytes(BUDGET) == BUDGET - BUDGET // 16
+    for budget in budgets:
+        assert budget.capacity == tensor_bytes(BUDGET)
+        assert 0 < budget.peak <= max(budget.capacity, largest), budget.peak
+    target = {fqn: torch.zeros_like(t) for fqn, t in _model().items()}
+    dcp.load(target, str(tmp_path / "back"))
+    for fqn, t in _model().items():
+        assert_bitwise_equal(target[fqn], t, fqn)
 
 
 def test_buffer_pool_hands_buffers_out_again_within_its_capacity():

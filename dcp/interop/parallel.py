@@ -8,7 +8,7 @@ whole before a byte moves, then run as independent *file tasks*:
 * **import** (:func:`import_checkpoint`, any source presented as a
   :class:`~dcp.core.storage.StoragePlugin` with its metadata, such as a
   safetensors folder): the tensors are packed in source order into data
-  files of about ``buffer_bytes / FILES_IN_FLIGHT``, each tensor of at
+  files of about ``tensor_bytes(buffer_bytes) / FILES_IN_FLIGHT``, each tensor of at
   least :data:`~dcp.core.storage.ALIGNED_CHUNK_BYTES` starting at the
   destination's alignment.  A task allocates one aligned buffer for its
   file, reads every tensor straight into its place with
@@ -25,8 +25,9 @@ whole before a byte moves, then run as independent *file tasks*:
   bytes, which the writer then writes (``O_DIRECT`` where aligned).
 
 Tasks run on a thread pool (the destination's ``thread_count``), under a
-:class:`ByteBudget` of ``buffer_bytes`` — peak memory stays within the
-budget, or about the largest tensor where one is larger.  The plan is the
+:class:`ByteBudget` of ``buffer_bytes`` less a reserve for the process's
+own working memory (:func:`tensor_bytes`) — peak memory growth stays within
+the budget, or about the largest tensor where one is larger.  The plan is the
 same whatever the number of ranks: with a process group, file ``k`` goes to
 rank ``k % world_size``; every rank reports what it wrote, rank 0 commits
 once, and the outcome is broadcast, so 2 ranks write the same bytes as 1 and
@@ -71,9 +72,21 @@ from dcp.orchestration.save import (
 
 #: Default memory budget of a conversion, per process (bytes).
 DEFAULT_BUDGET_BYTES = 512 << 20
+#: Share of a conversion's budget left to the process's own working memory
+#: (thread stacks, allocator slack, headers, the index); tensors' bytes get
+#: the rest (:func:`tensor_bytes`), so that the process's RSS grows by no
+#: more than the budget.
+RESERVED_SHARE = 1 / 16
 #: An import packs data files of ``buffer_bytes / FILES_IN_FLIGHT``, so that
 #: this many are read, checksummed and written at once.
 FILES_IN_FLIGHT = 4
+
+
+def tensor_bytes(buffer_bytes: int) -> int:
+    """The bytes of tensors a conversion with a memory budget of
+    ``buffer_bytes`` (per process) may hold at once: the budget less
+    :data:`RESERVED_SHARE` of it."""
+    return max(1, buffer_bytes - int(buffer_bytes * RESERVED_SHARE))
 
 
 class ByteBudget:
@@ -374,10 +387,11 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
     import uuid
 
     save_id = ranks.broadcast(uuid.uuid4().hex[:16])
-    tasks = _pack(md, max(1, buffer_bytes // FILES_IN_FLIGHT), dest.alignment)
+    held = tensor_bytes(buffer_bytes)
+    tasks = _pack(md, max(1, held // FILES_IN_FLIGHT), dest.alignment)
     mine = [t for t in tasks if ranks.mine(t.index)]
-    budget = ByteBudget(buffer_bytes)
-    buffers = BufferPool(buffer_bytes)
+    budget = ByteBudget(held)
+    buffers = BufferPool(held)
     written: list[str] = []
     lock = threading.Lock()
 
@@ -647,7 +661,7 @@ def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StorageP
     ranks = Ranks.of(process_group)
     mine = [f for k, f in enumerate(files) if ranks.mine(k)]
     writers = max(1, min(dest.thread_count, len(mine)))
-    budget = ByteBudget(buffer_bytes)
+    budget = ByteBudget(tensor_bytes(buffer_bytes))
     written: list[str] = []
     lock = threading.Lock()
 

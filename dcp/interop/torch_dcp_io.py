@@ -71,6 +71,7 @@ from dcp.interop.parallel import (
     describe_error,
     import_checkpoint,
     read_tensors,
+    tensor_bytes,
 )
 from dcp.interop.streaming import (
     CheckpointWriter,
@@ -513,7 +514,8 @@ class _Writer(tdcp.FileSystemWriter):
             else []
         prefix = plan.storage_data.prefix
         dest = open_storage(self.local)
-        budget, buffers = ByteBudget(self.buffer_bytes), BufferPool(self.buffer_bytes)
+        held = tensor_bytes(self.buffer_bytes)
+        budget, buffers = ByteBudget(held), BufferPool(held)
 
         def write_one(k: int, item) -> WriteResult:
             fqn, meta = self.source[item.index.fqn]
