@@ -13,9 +13,9 @@ install-base:
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 
-# what the tests need besides: the test extra and the example (sqlite) plugin
+# what the tests need besides: the test and mindspore extras and the example (sqlite) plugin
 install: install-base
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,mindspore]'
 	$(PIP) -e tests/plugin_pkg
 
 demo: install-base
