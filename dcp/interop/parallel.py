@@ -470,11 +470,15 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
 class OutputFile:
     """One file of an export: ``name``, its leading bytes ``header``, and
     its tensors in order, each ``(fqn, meta, cast)`` — ``cast`` a dtype name
-    to convert it to, or ``None``."""
+    to convert it to, or ``None``.  ``frame``, where the format puts bytes
+    between tensors (a MindSpore ``.ckpt``'s record headers), turns the
+    file's buffers (header, then one per tensor, asked for in order) into
+    those written."""
 
     name: str
     header: bytes
     tensors: list[tuple[str, TensorMeta, str | None]]
+    frame: Callable[[Sequence], Sequence] | None = None
 
 
 class Reader(Protocol):
@@ -670,7 +674,7 @@ def export_files(storage: StoragePlugin, files: list[OutputFile], dest: StorageP
             written.append(out.name)
         buffers = _ReadAhead(out, storage, pool, budget, on_bytes, read)
         try:
-            dest.write_file(out.name, buffers)
+            dest.write_file(out.name, buffers if out.frame is None else out.frame(buffers))
         except CheckpointError:
             raise
         except Exception as e:

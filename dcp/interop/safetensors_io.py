@@ -378,7 +378,7 @@ def _is_float(dtype: str) -> bool:
     return tensors.torch_dtype(dtype).is_floating_point
 
 
-def _export_selection(md: Metadata, prefix: str | None, dtype: str | torch.dtype | None,
+def export_selection(md: Metadata, prefix: str | None, dtype: str | torch.dtype | None,
                       where: str
                       ) -> tuple[dict[str, str], dict[str, str | None]]:
     """The fqns exported, each with its name after stripping ``prefix``,
@@ -476,7 +476,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
         storage = view
         md = Metadata(md.save_id, md.world_size, view.remapped.targets(), md.objects)
     where = repr(str(checkpoint_id))
-    stripped, casts = _export_selection(md, "model." if model_only and not prefix else prefix,
+    stripped, casts = export_selection(md, "model." if model_only and not prefix else prefix,
                                         dtype, where)
     final = renamed(stripped.values(), rename, where)
     names = {f: final[s] for f, s in stripped.items()}
