@@ -10,6 +10,9 @@ Public API: :func:`save`, :func:`async_save`, :func:`load`,
 :func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
 :class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`;
 :class:`CheckpointManager` (:mod:`dcp.manager`) for a training loop.
+MindSpore ``Tensor``/``Parameter`` leaves save and load like torch tensors
+(:mod:`dcp.core.mindspore_tensors`); :func:`mindspore_shard` describes a
+sharded MindSpore parameter's slice.
 """
 
 from dcp.asynchronous.async_save import (
@@ -21,8 +24,14 @@ from dcp.asynchronous.async_save import (
     async_save_counters,
 )
 from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+from dcp.core.mindspore_tensors import mindspore_shard
 from dcp.core.tensors import TensorShard
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedDtypeError,
+)
 from dcp.manager import (
     AnyOf,
     BestN,
@@ -45,7 +54,8 @@ from dcp.orchestration.save import save
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
-    "NotACheckpointError", "async_save", "AsyncSaveResponse", "AsyncSaveStats",
+    "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
+    "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
     "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",
     "AnyOf",

@@ -26,3 +26,11 @@ class NotACheckpointError(CheckpointError):
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their recorded checksum, or a data file is
     missing or truncated, or the metadata cannot be decoded."""
+
+
+class UnsupportedDtypeError(CheckpointError):
+    """A tensor's dtype has no counterpart on the other side: a dtype the
+    checkpoint format lacks (MindSpore's ``hifloat8`` or ``int4``, torch's
+    ``float4_e2m1fn_x2``), or one a framework adapter cannot load into.
+    Raised before anything is written or read; the message names the fqn
+    and the dtype."""

@@ -11,8 +11,12 @@
   through entry points, as it finds a third party's), and ``dcp.core``
   imports nothing of ``dcp`` but ``dcp.core`` and ``dcp.errors`` (else the
   rule above would be broken one step away).
-- torch: within ``dcp/core/`` only ``tensors.py`` imports it (the tensor
-  adapter is the one module that knows torch types); ``planners/`` never.
+- torch: within ``dcp/core/`` only the tensor adapters import it
+  (``tensors.py``, and ``mindspore_tensors.py``, which hands MindSpore
+  tensors over as torch ones); ``planners/`` never.
+- mindspore: only ``dcp/core/mindspore_tensors.py`` imports it, and only
+  inside functions (a torch-only job never loads it); nothing else in
+  ``dcp/``, ``planners/`` or ``storage_plugins/``, at any level.
 
 Which imports count.  For the layer and torch rules, every ``import``
 statement, wherever it stands (module level, a function body, an
@@ -38,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dcp", "planners", "storage_plugins")
 #: what planners/ and storage_plugins/ may import of dcp (besides ``dcp`` itself)
 DCP_FOR_IMPLEMENTATIONS = ("dcp.core", "dcp.errors")
-TORCH_IN_CORE = "dcp.core.tensors"
+TORCH_IN_CORE = ("dcp.core.tensors", "dcp.core.mindspore_tensors")
+MINDSPORE_ADAPTER = "dcp.core.mindspore_tensors"
 
 
 @dataclass(frozen=True)
@@ -194,10 +199,25 @@ def torch_violations(imports: dict[str, list[Import]]) -> list[tuple[Import, str
         for i in found:
             if not _within(i.target, "torch"):
                 continue
-            if _within(module, "dcp.core") and module != TORCH_IN_CORE:
-                out.append((i, f"in dcp/core only {TORCH_IN_CORE} knows torch"))
+            if _within(module, "dcp.core") and module not in TORCH_IN_CORE:
+                out.append((i, f"in dcp/core only {' and '.join(TORCH_IN_CORE)} know torch"))
             elif _within(module, "planners"):
                 out.append((i, "planners see shapes, offsets and dtype names, never torch"))
+    return out
+
+
+def mindspore_violations(imports: dict[str, list[Import]]) -> list[tuple[Import, str]]:
+    """Each import of mindspore outside the MindSpore adapter, or in it at
+    load time, with the rule."""
+    out = []
+    for module, found in sorted(imports.items()):
+        for i in found:
+            if not _within(i.target, "mindspore"):
+                continue
+            if module != MINDSPORE_ADAPTER:
+                out.append((i, f"only {MINDSPORE_ADAPTER} knows mindspore"))
+            elif not i.deferred:
+                out.append((i, "mindspore is imported inside functions only (lazily)"))
     return out
 
 
@@ -207,7 +227,7 @@ def torch_violations(imports: dict[str, list[Import]]) -> list[tuple[Import, str
 def _tree() -> dict[str, list[Import]]:
     imports = scan(ROOT)
     # guard against a vacuous pass (a package moved, the scan found nothing)
-    assert {TORCH_IN_CORE, "dcp.core.planner", "dcp.core.storage", "planners.save",
+    assert {*TORCH_IN_CORE, "dcp.core.planner", "dcp.core.storage", "planners.save",
             "planners.load", "storage_plugins.posix"} <= set(imports), sorted(imports)
     return imports
 
@@ -232,6 +252,11 @@ def test_only_the_tensor_adapter_imports_torch():
     assert not found, _lines(found)
 
 
+def test_only_the_mindspore_adapter_imports_mindspore_lazily():
+    found = mindspore_violations(_tree())
+    assert not found, _lines(found)
+
+
 # --------------------------------------------- the checks themselves can fail
 
 
@@ -240,6 +265,8 @@ _BROKEN = {
     "dcp/errors.py": "",
     "dcp/core/__init__.py": "",
     "dcp/core/tensors.py": "import torch\n",
+    "dcp/core/mindspore_tensors.py": "import torch\nimport mindspore\n"
+                                     "def f():\n    from mindspore import Tensor\n",
     "dcp/core/boxes.py": "import numpy\nfrom torch import Tensor\n"
                          "from ..orchestration import save\n",
     "dcp/core/lazy.py": "def f():\n    import dcp.core.lazy_back\n",
@@ -248,7 +275,8 @@ _BROKEN = {
                          "    import dcp.core.typed_back\n",
     "dcp/core/typed_back.py": "from dcp.core import typed\n",
     "dcp/orchestration/__init__.py": "",
-    "dcp/orchestration/save.py": "from . import load\nimport storage_plugins.posix\n",
+    "dcp/orchestration/save.py": "from . import load\nimport storage_plugins.posix\n"
+                                 "def f():\n    import mindspore.nn\n",
     "dcp/orchestration/load.py": "class L:\n    from dcp.orchestration.save import save\n",
     "planners/__init__.py": "",
     "planners/save.py": "import torch.distributed\nfrom dcp import core, save, errors\n"
@@ -257,7 +285,7 @@ _BROKEN = {
     "storage_plugins/__init__.py": "",
     "storage_plugins/posix.py": "import dcp\nfrom typing import TYPE_CHECKING\n"
                                 "if TYPE_CHECKING:\n    from dcp.tools import cli\n"
-                                "def f():\n    import planners.save\n",
+                                "def f():\n    import planners.save\n    import mindspore\n",
 }
 
 
@@ -281,3 +309,8 @@ def test_each_check_reports_what_breaks_it(tmp_path):
     assert [str(i) for i, _ in torch_violations(imports)] == [
         "dcp/core/boxes.py:2 imports torch",
         "planners/save.py:1 imports torch.distributed"]
+    # the adapter's load-time import, and any import elsewhere (a deferred one too)
+    assert [str(i) for i, _ in mindspore_violations(imports)] == [
+        "dcp/core/mindspore_tensors.py:2 imports mindspore",
+        "dcp/orchestration/save.py:4 imports mindspore.nn",
+        "storage_plugins/posix.py:7 imports mindspore"]

@@ -23,6 +23,13 @@ planning, so the planners and the metadata only ever see plain state dicts:
 A value is Stateful when it has callable ``state_dict`` and
 ``load_state_dict`` attributes and is not a tensor leaf — the same test as
 torch's ``runtime_checkable`` protocol.
+
+The same walk substitutes leaves of other frameworks (``substitute``:
+MindSpore tensors by torch tensors, :mod:`dcp.core.mindspore_tensors`), in
+the same copies of the containers on the way to them.  After a load,
+:meth:`Resolved.finish` puts the original leaves back into those copies
+before any ``load_state_dict()`` sees them (a copied tuple keeps the
+substitutes: it cannot be changed).
 """
 
 from __future__ import annotations
@@ -57,13 +64,15 @@ class Resolved:
     """A state dict with its Stateful values resolved.
 
     ``state_dict``: the resolved tree (the caller's own dict when it holds no
-    Stateful).  ``statefuls``: the Stateful objects found, innermost first.
-    ``copies``: ``(original, copy)`` for every container copied on the way
-    to a Stateful.
+    Stateful and no substituted leaf).  ``statefuls``: the Stateful objects
+    found, innermost first.  ``substituted``: the leaves replaced by
+    ``substitute`` (``obj`` the original).  ``copies``: ``(original, copy)``
+    for every container copied on the way to either.
     """
 
     state_dict: dict
     statefuls: list[_Found] = field(default_factory=list)
+    substituted: list[_Found] = field(default_factory=list)
     copies: list[tuple[Any, Any]] = field(default_factory=list)
 
     def finish(self) -> None:
@@ -75,7 +84,8 @@ class Resolved:
         ``load_state_dict()`` raises.
         """
         copied = {id(copy) for _, copy in self.copies}
-        resolved = {(id(f.container), _hashable(f.key)) for f in self.statefuls}
+        resolved = {(id(f.container), _hashable(f.key))
+                    for f in (*self.statefuls, *self.substituted)}
         for original, copy in self.copies:
             if isinstance(original, tuple):
                 continue  # immutable: its Statefuls are loaded below, its plain values cannot be
@@ -85,6 +95,9 @@ class Resolved:
                 if id(value) in copied or (id(copy), _hashable(key)) in resolved:
                     continue
                 original[key] = value
+        for found in self.substituted:
+            if not isinstance(found.container, tuple):
+                found.container[found.key] = found.obj
         for found in self.statefuls:
             try:
                 found.obj.load_state_dict(found.container[found.key])
@@ -100,25 +113,33 @@ def _hashable(key: Any) -> Any:
     return key if isinstance(key, (str, int)) else repr(key)
 
 
+#: ``substitute(fqn, value)``: what to plan with in place of a leaf (the
+#: value itself: no change).
+Substitute = Callable[[str, Any], Any]
+
+
 def resolve(state_dict: Any, is_tensor: Callable[[Any], bool],
-            prepare: Callable[[Any], None] | None = None) -> Resolved:
+            prepare: Callable[[Any], None] | None = None,
+            substitute: Substitute | None = None) -> Resolved:
     """Replace every Stateful in ``state_dict`` by its ``state_dict()`` (see
     the module doc).  A Stateful's state dict may itself hold Statefuls; they
     are resolved too.  ``prepare`` (a load's) is called with each Stateful
-    before its ``state_dict()``.
+    before its ``state_dict()``; ``substitute`` with every other leaf, at
+    any depth.
 
     Raises :class:`CheckpointError` naming the fqn if a ``state_dict()``
-    raises or returns something other than a dict.
+    raises or returns something other than a dict; what ``substitute``
+    raises.
     """
     out = Resolved(state_dict)
-    out.state_dict = _walk(state_dict, "", out, is_tensor, prepare)
+    out.state_dict = _walk(state_dict, "", out, is_tensor, prepare, substitute)
     return out
 
 
 def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
-          prepare: Callable[[Any], None] | None) -> Any:
-    """``value`` with its Statefuls resolved: ``value`` itself if it holds
-    none, else a copy of it."""
+          prepare: Callable[[Any], None] | None, substitute: Substitute | None) -> Any:
+    """``value`` with its Statefuls resolved and its leaves substituted:
+    ``value`` itself if none changed, else a copy of it."""
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, (list, tuple)):
@@ -127,8 +148,15 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
         return value
     new: dict[Any, Any] = {}
     found: list[Any] = []
+    swapped: list[Any] = []
     for key, child in items:
         path = f"{fqn}.{key}" if fqn else str(key)
+        if substitute is not None and not isinstance(child, (dict, list, tuple)):
+            replacement = substitute(path, child)
+            if replacement is not child:
+                new[key] = replacement
+                swapped.append((key, child, path))
+                continue
         if is_stateful(child, is_tensor):
             try:
                 if prepare is not None:
@@ -144,10 +172,10 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
                 raise CheckpointError(
                     f"{path!r}: {type(child).__name__}.state_dict() returned a "
                     f"{type(sd).__name__}, not a dict")
-            new[key] = _walk(sd, path, out, is_tensor, prepare)
+            new[key] = _walk(sd, path, out, is_tensor, prepare, substitute)
             found.append((key, child, path))
         else:
-            resolved = _walk(child, path, out, is_tensor, prepare)
+            resolved = _walk(child, path, out, is_tensor, prepare, substitute)
             if resolved is not child:
                 new[key] = resolved
     if not new:
@@ -162,4 +190,6 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
     out.copies.append((value, copy))
     for key, child, path in found:
         out.statefuls.append(_Found(path, child, copy, key))
+    for key, child, path in swapped:
+        out.substituted.append(_Found(path, child, copy, key))
     return copy

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcp.core.metadata import DTYPE_ITEMSIZE
-from dcp.errors import CheckpointError
+from dcp.errors import CheckpointError, UnsupportedDtypeError
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
@@ -96,11 +96,12 @@ def init_optimizer_state(value: Any) -> None:
 
 
 def dtype_name(dtype: torch.dtype, fqn: str) -> str:
-    """The checkpoint's name for a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    """The checkpoint's name for a torch dtype (``torch.float32`` -> ``"float32"``);
+    raises :class:`UnsupportedDtypeError` naming ``fqn`` for a dtype it lacks."""
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise CheckpointError(
+        raise UnsupportedDtypeError(
             f"{fqn!r}: dtype {dtype} is not supported (supported: {', '.join(_DTYPES)})") from None
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
-from dcp.core import stateful, tensors
+from dcp.core import mindspore_tensors, stateful, tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
     METADATA_FILE,
@@ -440,10 +440,13 @@ def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
     """Flatten ``state_dict`` into a :class:`SaveState` whose chunks refer to
     the caller's tensors (no copy); ``rank`` of ``world_size`` places the
     caller for the replica slots.  Stateful values are saved as what their
-    ``state_dict()`` returns now (:mod:`dcp.core.stateful`).  Raises
-    :class:`CheckpointError` naming the fqn for an unsupported leaf."""
+    ``state_dict()`` returns now (:mod:`dcp.core.stateful`), MindSpore
+    tensors as torch tensors over their host bytes
+    (:mod:`dcp.core.mindspore_tensors`).  Raises :class:`CheckpointError`
+    naming the fqn for an unsupported leaf."""
     state = SaveState()
-    resolved = stateful.resolve(state_dict, tensors.is_tensor).state_dict
+    resolved = stateful.resolve(state_dict, tensors.is_tensor,
+                                substitute=mindspore_tensors.for_save).state_dict
     for fqn, leaf in flatten(resolved, tensors.is_tensor).items():
         if tensors.is_tensor(leaf.value):
             for chunk in tensors.describe_chunks(fqn, leaf.value):

@@ -6,14 +6,17 @@
 * before anything is read, Stateful values are resolved to what their
   ``state_dict()`` returns (:mod:`dcp.core.stateful`), a fresh optimizer's
   state initialised first (:func:`dcp.core.tensors.init_optimizer_state`:
-  its empty ``state`` would give the load no targets); a failure there is
+  its empty ``state`` would give the load no targets), and MindSpore
+  targets are replaced by torch host tensors
+  (:class:`dcp.core.mindspore_tensors.LoadTargets`); a failure there is
   kept and raised inside the planning step, so every rank fails together;
 * once the metadata is known, inside the planning step, every target on the
   meta device is replaced by a real host tensor of its layout and the saved
   dtype (:func:`dcp.core.tensors.materialize`), or the load raises naming it
   when the checkpoint lacks it.  PyTorch DCP materializes them too; what it
   must never be is a meta target left in place by a load that succeeds;
-* after every read, the Statefuls' ``load_state_dict()`` are called and the
+* after every read, the loaded values are written into the MindSpore
+  targets, the Statefuls' ``load_state_dict()`` are called and the
   replaced fqns reported (:attr:`dcp.LoadReport.materialized`).
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp.core import stateful, tensors
+from dcp.core import mindspore_tensors, stateful, tensors
 from dcp.core.metadata import Metadata
 from dcp.core.state_dict import flatten
 from dcp.errors import CheckpointError
@@ -33,9 +36,11 @@ class Targets:
 
     def __init__(self, state_dict: Any) -> None:
         self.error: CheckpointError | None = None
+        self.mindspore = mindspore_tensors.LoadTargets()
         try:
             self.resolved = stateful.resolve(state_dict, tensors.is_tensor,
-                                             prepare=tensors.init_optimizer_state)
+                                             prepare=tensors.init_optimizer_state,
+                                             substitute=self.mindspore.substitute)
         except CheckpointError as e:  # raised in the planning step, on every rank
             self.error = e
             self.resolved = stateful.Resolved(state_dict)
@@ -64,7 +69,9 @@ class Targets:
             self.materialized.append(fqn)
 
     def finish(self, report: Any) -> None:
-        """After every read: call the Statefuls' ``load_state_dict()`` and
-        report the materialized fqns."""
+        """After every read: fill the MindSpore targets (those the load
+        found), call the Statefuls' ``load_state_dict()`` and report the
+        materialized fqns."""
+        self.mindspore.write_back(report.missing_keys)
         self.resolved.finish()
         report.materialized = list(self.materialized)

@@ -1,0 +1,262 @@
+"""The MindSpore adapter: MindSpore tensors saved and loaded as torch tensors.
+
+MindSpore ``Tensor`` and ``Parameter`` leaves of a state dict, and
+:class:`~dcp.core.tensors.TensorShard` values whose ``data`` is one, are
+resolved at the API's edge, before any planning, as Stateful values are
+(:mod:`dcp.core.stateful`, whose walk substitutes them): the planners, the
+metadata and the storage plugins only ever see torch tensors, described by
+the torch adapter (:mod:`dcp.core.tensors`).
+
+* Save (:func:`for_save`): each MindSpore leaf becomes a torch CPU tensor
+  over its host bytes, ``asnumpy()`` viewed as ``uint8`` and then as the
+  torch dtype (``torch.from_numpy``, no copy on CPU, where ``asnumpy()``
+  shares the tensor's memory; a device tensor's ``asnumpy()`` is its host
+  copy).  bfloat16 and float8 cross as bytes, so every dtype of
+  :data:`_PAIRS` is saved bit-exact.
+* Load (:class:`LoadTargets`): each MindSpore target becomes a torch host
+  tensor of its shape and dtype; once every read has finished, the loaded
+  bytes are written into the caller's object in place with ``Tensor.copy_``
+  (a ``Parameter`` keeps its identity and name; on a device the copy is the
+  host-to-device transfer).  A dtype mismatch obeys ``allow_dtype_cast``
+  as for torch targets: the torch target has the MindSpore target's dtype.
+
+MindSpore is never imported here: a value is MindSpore's when
+``sys.modules`` already holds ``mindspore`` and the value is an instance of
+its ``Tensor``, so a torch-only job pays one dictionary lookup per leaf.
+
+Dtypes: those of :data:`_PAIRS`, which both sides have.  A MindSpore dtype
+the checkpoint format lacks (``hifloat8``, ``int4``/``qint4x2``,
+``complex128``) raises :class:`~dcp.errors.UnsupportedDtypeError` naming the
+fqn and the dtype before anything is written or read; so does a float8
+load target, which MindSpore 2.10 cannot fill (NumPy has no float8 type to
+build a tensor from bytes, and its CPU ``InplaceCopy`` kernel has no float8).
+
+Sharded parameters: :func:`mindspore_shard` gives the
+:class:`~dcp.core.tensors.TensorShard` of one rank's slice from MindSpore's
+layout (device matrix and tensor map, as ``mindspore.parallel.Layout``'s
+``to_dict()`` gives them), the arithmetic of ``mindspore.parallel._tensor``
+(``_get_tensor_slice_index``, ``_expand_layout`` for tuple entries).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dcp.core.tensors import TensorShard, torch_dtype
+from dcp.errors import CheckpointError, UnsupportedDtypeError
+
+#: ``(MindSpore dtype attribute, checkpoint dtype name)`` for every dtype
+#: both sides have (``mindspore.bool_`` is ``mindspore.bool``).
+_PAIRS = (
+    ("bool_", "bool"), ("int8", "int8"), ("int16", "int16"), ("int32", "int32"),
+    ("int64", "int64"), ("uint8", "uint8"), ("uint16", "uint16"), ("uint32", "uint32"),
+    ("uint64", "uint64"), ("float16", "float16"), ("float32", "float32"),
+    ("float64", "float64"), ("bfloat16", "bfloat16"), ("complex64", "complex64"),
+    ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2"),
+)
+#: Dtypes MindSpore saves but cannot load into (see the module doc).
+_SAVE_ONLY = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _mindspore() -> Any | None:
+    """The ``mindspore`` module if this process has imported it, else ``None``
+    (never imports it)."""
+    return sys.modules.get("mindspore")
+
+
+def is_mindspore(value: Any) -> bool:
+    """Whether ``value`` is a MindSpore ``Tensor``/``Parameter``, or a
+    :class:`TensorShard` holding one."""
+    ms = _mindspore()
+    tensor_type = getattr(ms, "Tensor", None)
+    if tensor_type is None:
+        return False
+    if isinstance(value, TensorShard):
+        value = value.data
+    return isinstance(value, tensor_type)
+
+
+def dtype_of(fqn: str, tensor: Any) -> str:
+    """The checkpoint's dtype name of a MindSpore tensor.
+
+    Raises :class:`UnsupportedDtypeError` naming ``fqn`` and the dtype if
+    the checkpoint format has no counterpart for it.
+    """
+    ms = _mindspore()
+    names = {getattr(ms, attr): name for attr, name in _PAIRS if hasattr(ms, attr)}
+    try:
+        return names[tensor.dtype]
+    except KeyError:
+        raise UnsupportedDtypeError(
+            f"{fqn!r}: MindSpore dtype {tensor.dtype} has no checkpoint counterpart "
+            f"(supported: {', '.join(name for _, name in _PAIRS)})") from None
+
+
+def host_tensor(fqn: str, tensor: Any) -> torch.Tensor:
+    """A torch CPU tensor of a MindSpore tensor's shape, dtype and values,
+    over the memory of its ``asnumpy()`` (the tensor's own on CPU)."""
+    dtype = torch_dtype(dtype_of(fqn, tensor))
+    array = tensor.asnumpy()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    # reshape(-1) first: a 0-d array has no view of another item size
+    flat = torch.from_numpy(array.reshape(-1).view(np.uint8))
+    return flat.view(dtype).reshape(tuple(tensor.shape))
+
+
+def for_save(fqn: str, value: Any) -> Any:
+    """What a save plans with in place of ``value``: a MindSpore tensor's
+    :func:`host_tensor`, a :class:`TensorShard` of one with its data so
+    replaced, anything else as it is.  The substitute of
+    :func:`dcp.core.stateful.resolve` for :func:`dcp.save` and
+    :func:`dcp.async_save`.
+
+    Raises :class:`UnsupportedDtypeError` naming ``fqn`` (:func:`dtype_of`).
+    """
+    if not is_mindspore(value):
+        return value
+    if isinstance(value, TensorShard):
+        return TensorShard(host_tensor(fqn, value.data), value.global_shape,
+                           value.global_offsets)
+    return host_tensor(fqn, value)
+
+
+@dataclass
+class LoadTargets:
+    """The MindSpore targets of one load: :meth:`substitute` replaces each by
+    a torch host tensor to read into, :meth:`write_back` copies the loaded
+    values into the MindSpore objects afterwards.
+
+    ``pending``: ``(fqn, MindSpore tensor, torch host tensor)`` per target.
+    """
+
+    pending: list[tuple[str, Any, torch.Tensor]] = field(default_factory=list)
+
+    def substitute(self, fqn: str, value: Any) -> Any:
+        """The target a load reads into in place of ``value`` (see
+        :func:`for_save`; the torch tensor's values are uninitialized).
+
+        Raises :class:`UnsupportedDtypeError` naming ``fqn`` and the dtype
+        for a dtype the checkpoint lacks or MindSpore cannot be loaded into.
+        """
+        if not is_mindspore(value):
+            return value
+        tensor = value.data if isinstance(value, TensorShard) else value
+        name = dtype_of(fqn, tensor)
+        if name in _SAVE_ONLY:
+            raise UnsupportedDtypeError(
+                f"{fqn!r}: MindSpore {tensor.dtype} tensors can be saved but not loaded into "
+                f"(MindSpore builds no {name} tensor from bytes); load into a float16, "
+                f"bfloat16 or float32 target with allow_dtype_cast=True")
+        host = torch.empty(tuple(tensor.shape), dtype=torch_dtype(name))
+        self.pending.append((fqn, tensor, host))
+        if isinstance(value, TensorShard):
+            return TensorShard(host, value.global_shape, value.global_offsets)
+        return host
+
+    def write_back(self, skip: Sequence[str] = ()) -> None:
+        """Copy each loaded host tensor into its MindSpore target in place
+        (``Tensor.copy_``), except the fqns of ``skip`` (the load's missing
+        keys: nothing was read for them).
+
+        Raises :class:`CheckpointError` naming the fqn if MindSpore's copy
+        fails.
+        """
+        ms = _mindspore()
+        if not self.pending or ms is None:
+            return
+        left_out = set(skip)
+        for fqn, target, host in self.pending:
+            if fqn in left_out:
+                continue
+            nptype = ms.dtype_to_nptype(target.dtype)
+            array = host.reshape(-1).view(torch.uint8).numpy().view(nptype)
+            try:
+                target.copy_(ms.Tensor.from_numpy(array.reshape(tuple(target.shape))))
+            except Exception as e:
+                raise CheckpointError(
+                    f"{fqn!r}: writing the loaded values into the MindSpore "
+                    f"{type(target).__name__} failed: {type(e).__name__}: {e}") from e
+
+
+def _entries(entry: int | Sequence[int]) -> tuple[int, ...]:
+    """A tensor map entry's device dimensions (counted from the right),
+    major first, without the ``-1`` (not split) placeholders."""
+    dims = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+    return tuple(int(d) for d in dims if int(d) != -1)
+
+
+def mindspore_shard(data: Any, global_shape: Sequence[int], device_matrix: Sequence[int],
+                    tensor_map: Sequence[int | Sequence[int]], rank: int, *,
+                    rank_list: Sequence[int] | None = None) -> TensorShard:
+    """The :class:`~dcp.TensorShard` of rank ``rank``'s slice ``data`` of a
+    tensor of ``global_shape`` laid out by MindSpore's semi-auto parallel
+    layout, so that it saves as a chunk of the global tensor (ranks whose
+    slices are the same box are replicas, saved once).
+
+    Args:
+        data: this rank's slice (a MindSpore or torch tensor), of the shape
+            the layout gives it.
+        global_shape: the whole tensor's shape (elements per dimension).
+        device_matrix: the device arrangement, as ``Layout(device_matrix,
+            alias_name)`` takes it.
+        tensor_map: one entry per tensor dimension: the device matrix
+            dimension it is split over, counted from the right (``0`` is the
+            last), or ``-1`` (not split), or a tuple of them (split over
+            several, the first major), as ``Layout(...)(...).to_dict()``
+            gives it.
+        rank: the global rank holding ``data``.
+        rank_list: the ranks of the device matrix in row-major order
+            (``Layout``'s ``rank_list``; default ``0 .. prod(device_matrix) - 1``).
+
+    The box is MindSpore's (``mindspore.parallel._tensor``): the rank's
+    coordinate in the device matrix is row-major; a dimension split ``n``
+    ways (the product of its device dimensions' sizes) is cut into ``n``
+    equal parts and the rank holds part ``sum(coordinate[d] * stride[d])``,
+    mixed radix over the entry's device dimensions, the first most
+    significant.
+
+    Raises:
+        CheckpointError: a malformed layout (a device dimension out of
+            range or used twice, a map of another length than the shape),
+            ``rank`` not in the layout, a dimension not divisible by its
+            split (MindSpore requires even slices), or ``data`` not of the
+            slice's shape; the message names the shape and the layout.
+    """
+    shape = tuple(int(s) for s in global_shape)
+    matrix = tuple(int(d) for d in device_matrix)
+    what = f"shape {shape} with device matrix {matrix} and tensor map {tuple(tensor_map)}"
+    if len(tensor_map) != len(shape):
+        raise CheckpointError(f"{what}: the tensor map needs one entry per dimension")
+    used = [d for entry in tensor_map for d in _entries(entry)]
+    if any(not 0 <= d < len(matrix) for d in used) or len(set(used)) != len(used):
+        raise CheckpointError(f"{what}: each entry must name a device dimension "
+                              f"0..{len(matrix) - 1} (from the right) at most once, or -1")
+    ranks = list(range(math.prod(matrix))) if rank_list is None else [int(r) for r in rank_list]
+    if len(ranks) != math.prod(matrix) or rank not in ranks:
+        raise CheckpointError(f"{what}: rank {rank} is not one of the layout's ranks {ranks}")
+    index, coordinate = ranks.index(rank), [0] * len(matrix)
+    for d in reversed(range(len(matrix))):  # row-major: the last dimension varies fastest
+        index, coordinate[d] = divmod(index, matrix[d])
+    offsets, sizes = [], []
+    for dim, entry in zip(shape, tensor_map, strict=True):
+        part, parts = 0, 1
+        for d in _entries(entry):  # from the right: dimension d is matrix[-d - 1]
+            part, parts = part * matrix[-d - 1] + coordinate[-d - 1], parts * matrix[-d - 1]
+        if dim % parts:
+            raise CheckpointError(f"{what}: dimension of size {dim} cannot be split evenly "
+                                  f"{parts} ways (MindSpore requires even slices)")
+        sizes.append(dim // parts)
+        offsets.append(part * (dim // parts))
+    if tuple(data.shape) != tuple(sizes):
+        raise CheckpointError(f"{what}: rank {rank}'s slice has shape {tuple(data.shape)}, "
+                              f"not the layout's {tuple(sizes)}")
+    return TensorShard(data, shape, tuple(offsets))
+
