@@ -71,7 +71,14 @@ from pathlib import Path
 
 import torch
 
-from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, TensorMeta
+from dcp.core.metadata import (
+    DTYPE_ITEMSIZE,
+    METADATA_FILE,
+    ChunkMeta,
+    Metadata,
+    ObjectMeta,
+    TensorMeta,
+)
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop.parallel import DEFAULT_BUDGET_BYTES, OutputFile, export_files, import_checkpoint
@@ -377,8 +384,8 @@ class MindSporeCkpt(ReadOnlyView):
     go to the plugin of its folder); ``rename`` maps tags to fqns (unlisted
     tags are kept).  The records are walked on first use of
     :attr:`metadata`; every tensor is one chunk (no checksum: the format
-    records none per tensor) in :data:`CONTENT_FILE`; ``"str"`` values are
-    in :attr:`values`.  Reads of tensor bytes go to the ``.ckpt`` through
+    records none per tensor) in :data:`CONTENT_FILE`, every ``"str"`` value
+    a plain value of the metadata.  Reads of tensor bytes go to the ``.ckpt`` through
     the folder's plugin; writing raises.
     """
 
@@ -387,7 +394,6 @@ class MindSporeCkpt(ReadOnlyView):
         super().__init__(str(source), open_storage(root, **options), "MindSpore checkpoint")
         self.rename = rename
         self._metadata: Metadata | None = None
-        self._values: dict[str, str] = {}
         self._virtual: list[int] = []  # where each segment starts in CONTENT_FILE
         self._segments: list[tuple[int, int]] = []  # (file offset, bytes), nonempty only
 
@@ -395,7 +401,8 @@ class MindSporeCkpt(ReadOnlyView):
     def metadata(self) -> Metadata:
         """Every tensor as one chunk of :data:`CONTENT_FILE`, its shape and
         dtype as recorded (``dims`` ``[0]`` with one element's bytes is a
-        0-dim tensor, as MindSpore's loader reads it).
+        0-dim tensor, as MindSpore's loader reads it); every ``"str"`` value
+        in ``objects``.
 
         Raises:
             NotACheckpointError: no file at the source.
@@ -409,12 +416,6 @@ class MindSporeCkpt(ReadOnlyView):
         if self._metadata is None:
             self._metadata = self._read()
         return self._metadata
-
-    @property
-    def values(self) -> dict[str, str]:
-        """The ``"str"`` values, by fqn (after ``rename``)."""
-        _ = self.metadata
-        return self._values
 
     def _where(self) -> str:
         return repr(str(self.checkpoint_id))
@@ -460,7 +461,8 @@ class MindSporeCkpt(ReadOnlyView):
         md = Metadata(save_id="mindspore", world_size=1)
         for tag, meta in tensors.items():
             md.tensors[names[tag]] = meta
-        self._values = {names[tag]: s for tag, s in strings.items()}
+        for tag, text in strings.items():
+            md.objects[names[tag]] = ObjectMeta(value=text)
         return md
 
     @staticmethod
@@ -622,7 +624,7 @@ def mindspore_ckpt_to_checkpoint(source: str, checkpoint_id: str, *,
     with progress_bar(md.stored_bytes, "import", progress) as bar:
         return import_checkpoint(view, md, dest, overwrite=overwrite, buffer_bytes=buffer_bytes,
                                  process_group=process_group, on_bytes=bar.update,
-                                 objects=dict(view.values))
+                                 objects={f: o.value for f, o in md.objects.items()})
 
 
 # ---- writing -------------------------------------------------------------
@@ -786,13 +788,14 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     md = read_metadata(str(checkpoint_id), storage=storage)
     strip = "model." if model_only and not prefix else prefix
     stripped, casts = export_selection(md, strip, dtype, where)
-    values = {f: o.value for f, o in md.objects.items()
-              if o.pickled is None and o.blob is None and (not strip or f.startswith(strip))}
+    kept = [f for f in md.objects if not strip or f.startswith(strip)]
+    values = {f: md.objects[f].value for f in kept
+              if md.objects[f].pickled is None and md.objects[f].blob is None}
     tags = renamed([*stripped.values(), *(f[len(strip or ""):] for f in values)], rename, where)
     dest = open_storage(root, **(dest_options or {}))
     if dest.exists(name) and not overwrite:
         raise CheckpointError(f"{str(dest_ckpt)!r} exists; pass overwrite=True to replace it")
-    result = ExportResult(skipped=[f for f in md.objects if f not in values])
+    result = ExportResult(skipped=[f for f in kept if f not in values])
     pieces: list[list[tuple[bytes, int, int]]] = []
     entries = []
     for fqn, short in stripped.items():

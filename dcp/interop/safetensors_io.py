@@ -30,6 +30,14 @@ hold and are refused, naming the tensor.  0-dim and zero-element tensors are
 kept (a zero-element tensor has no chunk).  The free-form ``__metadata__`` is
 not carried into a checkpoint; an export writes ``{"format": "pt"}`` plus
 the ``metadata`` passed to it.
+
+MindSpore's safetensors files (``mindspore.save_checkpoint(...,
+format="safetensors")``) are single files of this format with
+``__metadata__`` ``{"format": "ms"}``, read here as any other; a tensor that
+metadata flags ``"Int4"`` (``qint4x2``: two 4-bit integers a byte, stored as
+``I8``) is refused, naming it.  ``mindspore.load_checkpoint(path,
+format="safetensors")`` reads an export's ``model.safetensors`` (pass
+``metadata={"format": "ms"}`` to mark it as MindSpore writes it).
 """
 
 from __future__ import annotations
@@ -234,9 +242,17 @@ class SafetensorsFolder(ReadOnlyView):
         found: dict[str, tuple[str, TensorMeta]] = {}
         for name in files:
             header, data_start = self._read_header(name)
+            flags = header.get("__metadata__")
+            if not isinstance(flags, dict) or flags.get("format") != "ms":
+                flags = {}  # only MindSpore's files flag tensors
             for key, entry in header.items():
                 if key == "__metadata__":
                     continue
+                if flags.get(key) == "Int4":
+                    raise CheckpointError(
+                        f"{self._where(name)}: tensor {key!r} is MindSpore's Int4 (qint4x2: two "
+                        f"4-bit integers a byte, stored as I8); no torch dtype a checkpoint can "
+                        f"hold matches it")
                 if key in found:
                     raise CorruptCheckpointError(
                         f"{self.checkpoint_id}: tensor {key!r} is in both {found[key][0]!r} "

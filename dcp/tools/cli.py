@@ -12,8 +12,9 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
   checksum; lists each damaged chunk or value by fqn and file.
 * ``hyperdcp diff A B`` — which tensors and values differ, and by how much.
 * ``hyperdcp convert SRC DST`` — between hyperdcp checkpoints, Hugging Face
-  safetensors (single file or sharded folder) and PyTorch DCP checkpoints;
-  the source format is detected.
+  safetensors (single file or sharded folder), PyTorch DCP checkpoints and
+  MindSpore ``.ckpt`` files; the source format is detected (a ``.ckpt``
+  by its suffix or its first bytes).
 * ``hyperdcp list ROOT`` — every checkpoint under a root (or the one it
   is): complete or incomplete, size, age, orphaned files
   (:mod:`dcp.orchestration.inventory`); for a :class:`dcp.CheckpointManager`
@@ -24,7 +25,8 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 
 A URI is a path or any URI a storage plugin serves; ``-o [SCHEME:]KEY=VALUE``
 passes options to the plugins (with ``SCHEME:``, only to that scheme's).
-``inspect``, ``verify`` and ``diff`` also take a safetensors folder or file.
+``inspect``, ``verify`` and ``diff`` also take a safetensors folder or file
+and a MindSpore ``.ckpt``.
 Long work shows progress bars on stderr when it is a terminal (``--quiet``
 hides them).
 
@@ -55,9 +57,10 @@ from tqdm import tqdm
 
 from dcp.coordination.independent import has_metadata, what_is_there
 from dcp.core.metadata import CHECKSUM, METADATA_FILE
-from dcp.core.storage import StoragePlugin, open_storage, scheme_of
+from dcp.core.storage import open_storage, scheme_of
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.interop import safetensors_io, torch_dcp_io
+from dcp.interop import mindspore_ckpt, safetensors_io, torch_dcp_io
+from dcp.interop.mindspore_ckpt import MindSporeCkpt, is_mindspore_ckpt
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
 from dcp.manager.manager import POINTER, STEP_PREFIX, prune_steps, read_pointer, step_of
@@ -79,7 +82,7 @@ DESCRIPTION = ("hyperdcp: distributed checkpoints for PyTorch. Inspect, verify, 
                "convert, list and prune checkpoints, or run the demo.")
 
 
-FORMATS = ("hyperdcp", "safetensors", "torch-dcp")
+FORMATS = ("hyperdcp", "safetensors", "torch-dcp", "mindspore")
 
 
 class UsageError(CheckpointError):
@@ -110,10 +113,24 @@ def _options_for(uri: str, options: dict[str | None, dict]) -> dict:
     return {**options.get(None, {}), **options.get(scheme_of(uri), {})}
 
 
+def _is_ckpt_file(uri: str, options: dict[str | None, dict]) -> bool:
+    """Whether ``uri`` is a file that starts like a MindSpore ``.ckpt``."""
+    root, _, name = uri.rstrip("/").rpartition("/")
+    head = memoryview(bytearray(16))
+    try:
+        storage = open_storage(root or ".", **_options_for(uri, options))
+        storage.read_ranges(name, [(0, head)])
+    except Exception:  # noqa: BLE001  # no such file, a folder, shorter than 16 bytes: not one
+        return False
+    return is_mindspore_ckpt(bytes(head))
+
+
 def _detect(uri: str, options: dict[str | None, dict]) -> str:
     """The format of what ``uri`` holds: one of :data:`FORMATS`."""
     if uri.endswith(SUFFIX):
         return "safetensors"
+    if uri.endswith(mindspore_ckpt.SUFFIX) or _is_ckpt_file(uri, options):
+        return "mindspore"
     storage = open_storage(uri, **_options_for(uri, options))
     if has_metadata(storage):
         return "hyperdcp"
@@ -136,6 +153,8 @@ def _open(uri: str, options: dict[str | None, dict]):
             f"(hyperdcp convert --trust-pickle {uri} DST), if you trust it")
     if fmt == "safetensors":
         return fmt, SafetensorsFolder(uri, **_options_for(uri, options))
+    if fmt == "mindspore":
+        return fmt, MindSporeCkpt(uri, **_options_for(uri, options))
     return fmt, open_storage(uri, **_options_for(uri, options))
 
 
@@ -162,7 +181,7 @@ def _inspect(args) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     what = (f"hyperdcp format v{md.version}, saved by {md.world_size} rank(s)" if fmt == "hyperdcp"
-            else "safetensors (no checksums)")
+            else f"{fmt} (no checksums)")
     print(f"{args.uri}: {what}, {len(md.tensors)} tensors, {len(md.objects)} values, "
           f"{md.stored_bytes} bytes stored ({tqdm.format_sizeof(md.stored_bytes, 'B', 1024)}), "
           f"{len(md.files())} files")
@@ -182,14 +201,14 @@ def _inspect(args) -> int:
 
 def _verify(args) -> int:
     try:
-        _, storage = _open(args.uri, _options(args.option))
+        fmt, storage = _open(args.uri, _options(args.option))
         report = verify(args.uri, storage=storage, progress=_progress(args))
     except CorruptCheckpointError as e:
         print(f"DAMAGED: {e}")
         return EXIT_DAMAGED
     for damage in report.damaged:
         print(f"DAMAGED: {damage}")
-    hyperdcp = isinstance(storage, StoragePlugin)  # not a safetensors folder
+    hyperdcp = fmt == "hyperdcp"
     orphans = inventory.inspect_checkpoint(storage).orphans if hyperdcp else {}
     for name, (size, _) in orphans.items():
         print(f"ORPHANED: {name} ({_size(size)}): not part of the committed checkpoint (left by "
@@ -371,7 +390,8 @@ def _job_group():
 def _convert(args) -> int:
     options = _options(args.option)
     source = _detect(args.src, options)
-    target = args.to or ("hyperdcp" if source != "hyperdcp" else None)
+    target = args.to or ("hyperdcp" if source != "hyperdcp" else
+                         "mindspore" if args.dst.endswith(mindspore_ckpt.SUFFIX) else None)
     if target is None:
         print("hyperdcp convert: error: SRC is a hyperdcp checkpoint: say which format to write "
               f"with --to ({', '.join(FORMATS[1:])})", file=sys.stderr)
@@ -393,6 +413,17 @@ def _convert(args) -> int:
             args.src, args.dst, max_shard_size=args.max_shard_size, storage_options=src_options,
             dest_options=dst_options, dtype=args.dtype, model_only=args.model_only,
             prefix=args.prefix, buffer_bytes=budget, process_group=group, **common)
+        count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
+    elif (source, target) == ("mindspore", "hyperdcp"):
+        md = mindspore_ckpt.mindspore_ckpt_to_checkpoint(
+            args.src, args.dst, source_options=src_options, storage_options=dst_options,
+            buffer_bytes=budget, process_group=group, **common)
+        count, nbytes, skipped = len(md.tensors), md.stored_bytes, []
+    elif (source, target) == ("hyperdcp", "mindspore"):
+        result = mindspore_ckpt.checkpoint_to_mindspore_ckpt(
+            args.src, args.dst, storage_options=src_options, dest_options=dst_options,
+            dtype=args.dtype, model_only=args.model_only, prefix=args.prefix,
+            crc_check=args.crc_check, buffer_bytes=budget, process_group=group, **common)
         count, nbytes, skipped = result.tensors, result.nbytes, result.skipped
     elif (source, target) == ("torch-dcp", "hyperdcp"):
         md = torch_dcp_io.torch_dcp_to_checkpoint(
@@ -477,16 +508,22 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_diff)
 
     p = sub.add_parser("convert", parents=[common],
-                       help="convert between hyperdcp, safetensors and PyTorch DCP",
+                       help="convert between hyperdcp, safetensors, PyTorch DCP and "
+                            "MindSpore .ckpt",
                        description="Convert SRC (format detected: hyperdcp checkpoint, "
-                                   "safetensors folder or file, PyTorch DCP checkpoint) into "
+                                   "safetensors folder or file, PyTorch DCP checkpoint, "
+                                   "MindSpore .ckpt file, by its suffix or first bytes) into "
                                    "DST, streaming, several files at once within --buffer-bytes; "
                                    "under torchrun every conversion is shared over "
-                                   "the ranks. Exit 0, or 1 on error, 2 on bad usage.")
+                                   "the ranks. A MindSpore .ckpt is read and written without "
+                                   "MindSpore (DST ending in .ckpt: --to mindspore by default); "
+                                   "MindSpore's safetensors files are safetensors. Exit 0, or 1 "
+                                   "on error, 2 on bad usage.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
     p.add_argument("--to", choices=FORMATS,
-                   help="format to write (default: hyperdcp; required when SRC is hyperdcp)")
+                   help="format to write (default: hyperdcp; when SRC is hyperdcp, required "
+                        "unless DST ends in .ckpt: mindspore)")
     p.add_argument("--max-shard-size", default=safetensors_io.DEFAULT_MAX_SHARD_SIZE,
                    metavar="SIZE",
                    help="safetensors export: bytes of tensors per file, e.g. 5GB or 500MiB "
@@ -494,14 +531,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rename-map", metavar="FILE",
                    help="JSON file mapping source names to destination names")
     p.add_argument("--buffer-bytes", default="512MiB", metavar="SIZE",
-                   help="safetensors conversions: memory budget per process, e.g. 2GiB "
+                   help="memory budget of a conversion per process, e.g. 2GiB "
                         "(default %(default)s; at least the largest tensor is let through)")
     p.add_argument("--dtype", default=None, metavar="DTYPE",
-                   help="safetensors export: cast floating-point tensors, e.g. bfloat16")
+                   help="safetensors and mindspore export: cast floating-point tensors, e.g. "
+                        "bfloat16")
     p.add_argument("--model-only", action="store_true",
-                   help="safetensors export: only the tensors under 'model.', named without it")
+                   help="safetensors and mindspore export: only the tensors under 'model.', "
+                        "named without it")
     p.add_argument("--prefix", default=None,
-                   help="safetensors export: only the tensors under this prefix, named without it")
+                   help="safetensors and mindspore export: only the tensors under this "
+                        "prefix, named without it")
+    p.add_argument("--crc-check", action="store_true",
+                   help="mindspore export: end the .ckpt with MindSpore's crc_num trailer "
+                        "(checked by load_checkpoint(..., crc_check=True); a trailer in a "
+                        "source is always checked)")
     p.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     p.add_argument("--trust-pickle", action="store_true",
                    help="PyTorch DCP source: allow reading its pickled metadata and values, "
