@@ -40,6 +40,7 @@ layout (device matrix and tensor map, as ``mindspore.parallel.Layout``'s
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Sequence
@@ -71,6 +72,12 @@ def _mindspore() -> Any | None:
     return sys.modules.get("mindspore")
 
 
+@functools.cache
+def _names(ms: Any) -> dict[Any, str]:
+    """MindSpore dtype -> checkpoint dtype name, for the module ``ms``."""
+    return {getattr(ms, attr): name for attr, name in _PAIRS if hasattr(ms, attr)}
+
+
 def is_mindspore(value: Any) -> bool:
     """Whether ``value`` is a MindSpore ``Tensor``/``Parameter``, or a
     :class:`TensorShard` holding one."""
@@ -89,10 +96,8 @@ def dtype_of(fqn: str, tensor: Any) -> str:
     Raises :class:`UnsupportedDtypeError` naming ``fqn`` and the dtype if
     the checkpoint format has no counterpart for it.
     """
-    ms = _mindspore()
-    names = {getattr(ms, attr): name for attr, name in _PAIRS if hasattr(ms, attr)}
     try:
-        return names[tensor.dtype]
+        return _names(_mindspore())[tensor.dtype]
     except KeyError:
         raise UnsupportedDtypeError(
             f"{fqn!r}: MindSpore dtype {tensor.dtype} has no checkpoint counterpart "

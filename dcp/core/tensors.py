@@ -1,5 +1,7 @@
-"""The torch adapter: the only module of the core that knows torch types.
+"""The torch adapter: the module of the core that describes torch tensors.
 
+(The MindSpore adapter, :mod:`dcp.core.mindspore_tensors`, knows torch too:
+it hands MindSpore tensors to this one as torch tensors, before planning.)
 It turns each tensor-like leaf of a state dict into the framework-agnostic
 description the planners and the metadata work with — global shape, dtype
 name, and the box ``(offsets, sizes)`` this rank holds — and moves bytes
