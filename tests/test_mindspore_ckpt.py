@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import dcp
+from dcp.core.read_cost import ReadCost
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop import mindspore_ckpt as msc
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
@@ -436,6 +437,22 @@ def test_encrypted_and_maptensor_files_are_refused(ms_files, tmp_path):
                   r"value 'table' \(byte \d+\) is a maptensor")
 
 
+def test_dims_zero_reads_as_mindspore_reads_it_and_is_not_written(tmp_path):
+    """dims ``[0]``: a 0-dim tensor where the content holds one element (as
+    MindSpore's loader reads it), an empty 1-D one where it holds none; an
+    export skips ``(0,)`` tensors, which MindSpore would read as 0-dim."""
+    path = tmp_path / "zero.ckpt"
+    path.write_bytes(msc.value_header("s", [0], "Int16", 2) + b"\x05\x01"
+                     + msc.value_header("e", [0], "Int16", 0))
+    msc.mindspore_ckpt_to_checkpoint(str(path), str(tmp_path / "out"))
+    md = dcp.read_metadata(str(tmp_path / "out"))
+    assert (md.tensors["s"].shape, md.tensors["e"].shape) == ((), (0,))
+    assert _read(tmp_path / "out", "s").item() == 0x105
+    result = msc.checkpoint_to_mindspore_ckpt(str(tmp_path / "out"), str(tmp_path / "back.ckpt"))
+    assert (result.tensors, result.skipped) == (1, ["e"])
+    assert _records(tmp_path / "back.ckpt") == [["s", [], "Int16", "BQE="]]
+
+
 def test_packed_dims_and_unknown_fields_are_read(tmp_path):
     """What other protobuf writers may produce: packed dims, an unknown
     field in each message, fields out of order."""
@@ -462,6 +479,13 @@ def test_split_records_of_our_writer_read_back_exactly(tmp_path):
     msc.mindspore_ckpt_to_checkpoint(str(tmp_path / "s.ckpt"), str(tmp_path / "back"))
     assert torch.equal(_read(tmp_path / "back", "w"), w)
     assert torch.equal(_read(tmp_path / "back", "i"), torch.arange(50))
+    # parts of tensors straight from the .ckpt: reads that start and end within records
+    part = {"w": dcp.TensorShard(torch.zeros(3, 13), (7, 13), (2, 0)),
+            "i": dcp.TensorShard(torch.zeros(9, dtype=torch.int64), (50,), (17,))}
+    view = msc.MindSporeCkpt(str(tmp_path / "s.ckpt"))
+    view.read_cost = ReadCost(latency_s=0.0)  # no gap read through: only the bytes needed
+    dcp.load(part, str(tmp_path / "s.ckpt"), storage=view, verify="none")
+    assert torch.equal(part["w"].data, w[2:5]) and torch.equal(part["i"].data, torch.arange(17, 26))
 
 
 def test_export_refuses_and_leaves_nothing(small_ckpt, tmp_path):

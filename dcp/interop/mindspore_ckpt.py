@@ -120,7 +120,7 @@ _CIPHER_MAGICS = {b"\xd8\x5e\x3a\x7f": "AES-GCM", b"\xd9\x5e\x3a\x7f": "AES-CBC"
 MAX_FIELD_BYTES = 64 << 20
 #: Most dims a tensor may have.
 MAX_DIMS = 64
-_BLOCK = 1 << 20  # bytes the reader fetches at once
+_BLOCK = 64 << 10  # bytes the reader fetches at once (a header, and small tensors with it)
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
 
@@ -738,7 +738,9 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     raw bytes), or as consecutive records of ``slice_bytes`` each when
     larger, as MindSpore splits them.  The checkpoint's values follow as
     ``append_dict`` stores them (strings as ``"str"``, ints as Int64, floats
-    as Float64, bools as Bool, 0-dim); other values are skipped.  On a local
+    as Float64, bools as Bool, 0-dim); other values are skipped, and so are
+    tensors of shape ``(0,)`` (MindSpore's loader reads dims ``[0]`` as a
+    0-dim tensor; other empty shapes are written).  On a local
     path the file is written as ``<name>.tmp-<id>`` and renamed (a failed or
     killed export leaves no partial ``.ckpt``); elsewhere it is written under
     its name, and removed if the export fails.  With a ``process_group`` the
@@ -767,7 +769,7 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
 
     Returns:
         An :class:`~dcp.interop.streaming.ExportResult`; ``skipped`` lists
-        the values a ``.ckpt`` cannot hold.
+        the values (and ``(0,)`` tensors) a ``.ckpt`` cannot hold.
 
     Raises:
         NotACheckpointError / CorruptCheckpointError: as :func:`dcp.load`.
@@ -800,6 +802,9 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     entries = []
     for fqn, short in stripped.items():
         meta = md.tensors[fqn]
+        if meta.shape == (0,):  # dims [0]: MindSpore's loader would make a 0-dim tensor of it
+            result.skipped.append(fqn)
+            continue
         out_dtype = casts[fqn] or meta.dtype
         if out_dtype not in _MS_NAMES:
             raise CheckpointError(f"{fqn!r}: dtype {out_dtype} has no MindSpore .ckpt type (they "
