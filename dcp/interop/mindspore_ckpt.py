@@ -128,9 +128,9 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
 class _Reader:
     """Sequential reads of bytes ``[0, end)`` of file ``name``, in blocks of
-    :data:`_BLOCK`.  With ``crc``, every byte passes through (skipped ones
-    included) and :attr:`crc` is their CRC-32; without, skipped bytes are
-    not read."""
+    :data:`_BLOCK`.  With ``crc``, every byte is read once, in order
+    (skipped ones included), and :attr:`crc` is their CRC-32; without,
+    skipped bytes are not read."""
 
     def __init__(self, storage: StoragePlugin, name: str, where: str, end: int,
                  crc: bool) -> None:
@@ -158,13 +158,7 @@ class _Reader:
             if self.pos <= buf_end else (b"", self.pos)
         size = min(max(_BLOCK, need - len(keep)), self.end - start)
         block = memoryview(bytearray(size))
-        try:
-            self.storage.read_ranges(self.name, [(start, block)])
-        except Exception as e:
-            raise CorruptCheckpointError(f"{self.where}: reading bytes {start}..{start + size} "
-                                         f"failed: {e}") from e
-        if self.crc is not None:
-            self.crc = binascii.crc32(block, self.crc)
+        self._read(start, block)
         self._buf, self._buf_start = keep + bytes(block), self.pos
 
     def take(self, n: int) -> bytes:
@@ -174,17 +168,30 @@ class _Reader:
         return self._buf[i:i + n]
 
     def skip(self, n: int) -> None:
+        """Move past ``n`` bytes; with ``crc``, those not yet read are read
+        through a scratch buffer (16 MiB at most) and only checksummed."""
         if self.pos + n > self.end:
             raise self.fail(f"a field of {n} bytes runs past the end of the file (byte "
                             f"{self.end})")
-        if self.crc is None:
+        buffered = max(0, min(n, self._buf_start + len(self._buf) - self.pos))
+        self.pos, n = self.pos + buffered, n - buffered
+        if self.crc is None or not n:
             self.pos += n
             return
-        while n:  # through the buffer, 16 MiB at a time
-            self._fill(min(n, 16 << 20))
-            step = min(n, self._buf_start + len(self._buf) - self.pos)
-            self.pos += step
-            n -= step
+        scratch = memoryview(bytearray(min(n, 16 << 20)))
+        while n:
+            piece = scratch[:min(n, len(scratch))]
+            self._read(self.pos, piece)
+            self.pos, n = self.pos + len(piece), n - len(piece)
+
+    def _read(self, start: int, out: memoryview) -> None:
+        try:
+            self.storage.read_ranges(self.name, [(start, out)])
+        except Exception as e:
+            raise CorruptCheckpointError(f"{self.where}: reading bytes {start}..{start + len(out)} "
+                                         f"failed: {e}") from e
+        if self.crc is not None:
+            self.crc = binascii.crc32(out, self.crc)
 
     def varint(self) -> int:
         start, value = self.pos, 0
