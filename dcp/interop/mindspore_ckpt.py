@@ -243,7 +243,7 @@ class _Reader:
 
 
 @dataclass
-class _Record:
+class Record:
     """One ``Value``: its tag, and of its tensor the dims, type and where
     the ``tensor_content`` bytes lie in the file."""
 
@@ -255,7 +255,7 @@ class _Record:
     maptensor: bool = False
 
 
-def _tensor(reader: _Reader, end: int, record: _Record) -> None:
+def _tensor(reader: _Reader, end: int, record: Record) -> None:
     """Parse a ``TensorProto`` ending at ``end`` into ``record`` (a second
     one merges into it, as protobuf does)."""
     while reader.pos < end:
@@ -280,9 +280,9 @@ def _tensor(reader: _Reader, end: int, record: _Record) -> None:
             raise reader.fail(f"tensor {record.tag!r} with more than {MAX_DIMS} dims")
 
 
-def _value(reader: _Reader, end: int) -> _Record:
+def _value(reader: _Reader, end: int) -> Record:
     """Parse one ``Checkpoint.Value`` ending at ``end``."""
-    record = _Record("", reader.pos)
+    record = Record("", reader.pos)
     tag: str | None = None
     while reader.pos < end:
         number, wire = reader.key()
@@ -306,7 +306,7 @@ def _value(reader: _Reader, end: int) -> _Record:
     return record
 
 
-def records(storage: StoragePlugin, name: str, size: int, where: str) -> list[_Record]:
+def records(storage: StoragePlugin, name: str, size: int, where: str) -> list[Record]:
     """Every ``Value`` of the ``.ckpt`` file ``name`` (``size`` bytes) in
     ``storage``, in file order; ``where`` names the file in errors.  A
     ``crc_num`` trailer is checked (the file is then read whole, once).
@@ -333,7 +333,7 @@ def records(storage: StoragePlugin, name: str, size: int, where: str) -> list[_R
     if not end:
         raise NotACheckpointError(f"{where} holds no MindSpore values (an empty file)")
     reader = _Reader(storage, name, where, end, crc=expected is not None)
-    out: list[_Record] = []
+    out: list[Record] = []
     while reader.pos < end:
         number, wire = reader.key()
         if number == 1 and wire == _LEN:
@@ -392,8 +392,8 @@ class MindSporeCkpt(ReadOnlyView):
     tags are kept).  The records are walked on first use of
     :attr:`metadata`; every tensor is one chunk (no checksum: the format
     records none per tensor) in :data:`CONTENT_FILE`, every ``"str"`` value
-    a plain value of the metadata.  Reads of tensor bytes go to the ``.ckpt`` through
-    the folder's plugin; writing raises.
+    a plain value of the metadata.  Reads of tensor bytes go to the
+    ``.ckpt`` through the folder's plugin; writing raises.
     """
 
     def __init__(self, source: str, *, rename: dict[str, str] | None = None, **options) -> None:
@@ -430,7 +430,7 @@ class MindSporeCkpt(ReadOnlyView):
     def _read(self) -> Metadata:
         where = self._where()
         found = records(self.inner, self.name, file_size(self.inner, self.name), where)
-        groups: dict[str, list[_Record]] = {}
+        groups: dict[str, list[Record]] = {}
         for i, r in enumerate(found):
             if r.tag in groups and found[i - 1].tag != r.tag:
                 raise CorruptCheckpointError(
@@ -473,7 +473,7 @@ class MindSporeCkpt(ReadOnlyView):
         return md
 
     @staticmethod
-    def _tensor_meta(at: str, record: _Record, nbytes: int, position: int) -> TensorMeta:
+    def _tensor_meta(at: str, record: Record, nbytes: int, position: int) -> TensorMeta:
         if record.type == INT4_TYPE:
             raise CheckpointError(f"{at}: type Int4 packs two elements per byte; no torch dtype a "
                                   f"checkpoint can hold matches it")
