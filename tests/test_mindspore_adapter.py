@@ -275,6 +275,74 @@ def test_a_cell_saves_and_loads_as_a_stateful(tmp: Path):
 
 
 @_in_mindspore
+def test_an_optimizer_saves_and_loads_its_own_state_in_place(tmp: Path):
+    """``{"model": net, "optim": opt}`` (Momentum and Adam): the optimizer
+    is saved as its own state (step, learning rate, moments), without the
+    model's parameters again, and a fresh optimizer's Parameters are loaded
+    in place (MindSpore's own ``load_state_dict`` refuses its state_dict())."""
+    import mindspore as ms
+    from mindspore import nn
+
+    for make, moment in ((lambda ps: nn.Momentum(ps, 0.05, 0.9), "moments"),
+                         (lambda ps: nn.Adam(ps, 0.01), "moment1")):
+        ms.set_seed(3)
+        net = nn.SequentialCell([nn.Dense(4, 3), nn.ReLU(), nn.Dense(3, 2)])
+        opt = make(net.trainable_params())
+        grad = ms.value_and_grad(lambda x, net=net: net(x).sum(), None, opt.parameters)
+        for _ in range(2):
+            opt(grad(ms.Tensor(np.arange(8, dtype=np.float32).reshape(2, 4)))[1])
+        folder = tmp / moment
+        dcp.save({"model": net, "optim": opt}, folder)
+        saved = set(dcp.read_metadata(folder).tensors)
+        own = {k for k, p in opt.parameters_dict().items()
+               if all(p is not q for q in opt.parameters)}
+        assert saved == {f"model.{k}" for k in net.parameters_dict()} | {
+            f"optim.{k}" for k in own}, saved
+        assert f"optim.{moment}.0.weight" in saved and "optim.0.weight" not in saved
+        ms.set_seed(4)
+        net2 = nn.SequentialCell([nn.Dense(4, 3), nn.ReLU(), nn.Dense(3, 2)])
+        opt2 = make(net2.trainable_params())
+        before = dict(opt2.parameters_dict())
+        report = dcp.load({"model": net2, "optim": opt2}, folder)
+        assert report.missing_keys == [] and report.unexpected_keys == []
+        for k, p in opt2.parameters_dict().items():
+            assert before[k] is p
+            assert _bytes(p) == _bytes(opt.parameters_dict()[k]), k
+        assert np.abs(opt2.parameters_dict()[f"{moment}.0.weight"].asnumpy()).sum() > 0
+
+
+@_in_mindspore
+def test_mindspore_targets_are_untouched_where_nothing_is_loaded(tmp: Path):
+    """A key missing under ``strict=False`` and a load that fails on a
+    damaged chunk leave the MindSpore targets' values as they were."""
+    import mindspore as ms
+
+    dcp.save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(4)}, tmp / "c")
+    sentinel = np.full(5, 42.0, np.float32)
+    missing = ms.Parameter(ms.Tensor(sentinel.copy()), name="missing")
+    a = ms.Parameter(ms.Tensor(np.zeros(6, np.float32)), name="a")
+    report = dcp.load({"a": a, "missing": missing}, tmp / "c", strict=False)
+    assert report.missing_keys == ["missing"]
+    assert np.array_equal(missing.asnumpy(), sentinel)
+    assert np.array_equal(a.asnumpy(), np.arange(6, dtype=np.float32))
+    chunk = dcp.read_metadata(tmp / "c").tensors["b"].chunks[0]
+    path = tmp / "c" / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.byte_offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    a2 = ms.Parameter(ms.Tensor(sentinel[:1].repeat(6)), name="a")
+    b2 = ms.Parameter(ms.Tensor(sentinel[:4].copy()), name="b")
+    try:
+        dcp.load({"a": a2, "b": b2}, tmp / "c")
+    except dcp.CorruptCheckpointError as e:
+        assert "'b'" in str(e), e
+    else:
+        raise AssertionError("a damaged chunk loaded")
+    assert np.array_equal(a2.asnumpy(), np.full(6, 42.0, np.float32))
+    assert np.array_equal(b2.asnumpy(), sentinel[:4])
+
+
+@_in_mindspore
 def test_a_tensor_shard_of_a_mindspore_tensor_loads_its_box(tmp: Path):
     import mindspore as ms
 

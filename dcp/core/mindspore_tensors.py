@@ -19,10 +19,16 @@ the torch adapter (:mod:`dcp.core.tensors`).
   (a ``Parameter`` keeps its identity and name; on a device the copy is the
   host-to-device transfer).  A dtype mismatch obeys ``allow_dtype_cast``
   as for torch targets: the torch target has the MindSpore target's dtype.
+  A target the load does not find (``strict=False``), or a load that fails,
+  leaves the MindSpore object as it was.
+* Optimizers (``mindspore.nn.Optimizer``): saved and loaded as their own
+  state, :func:`optimizer_state` (moments, step, learning rate), not as
+  Statefuls: MindSpore's ``load_state_dict`` refuses its own ``state_dict()``.
 
 MindSpore is never imported here: a value is MindSpore's when
 ``sys.modules`` already holds ``mindspore`` and the value is an instance of
-its ``Tensor``, so a torch-only job pays one dictionary lookup per leaf.
+its ``Tensor``; before MindSpore is imported the API's edge skips the
+adapter (:func:`imported`), so a torch-only job pays nothing.
 
 Dtypes: those of :data:`_PAIRS`, which both sides have.  A MindSpore dtype
 the checkpoint format lacks (``hifloat8``, ``int4``/``qint4x2``,
@@ -78,6 +84,13 @@ def _names(ms: Any) -> dict[Any, str]:
     return {getattr(ms, attr): name for attr, name in _PAIRS if hasattr(ms, attr)}
 
 
+def imported() -> bool:
+    """Whether this process has imported MindSpore (without importing it):
+    before that no value can be MindSpore's, and the API's edge skips the
+    adapter."""
+    return _mindspore() is not None
+
+
 def is_mindspore(value: Any) -> bool:
     """Whether ``value`` is a MindSpore ``Tensor``/``Parameter``, or a
     :class:`TensorShard` holding one."""
@@ -116,15 +129,34 @@ def host_tensor(fqn: str, tensor: Any) -> torch.Tensor:
     return flat.view(dtype).reshape(tuple(tensor.shape))
 
 
+def optimizer_state(value: Any) -> dict[str, Any] | None:
+    """A MindSpore optimizer's own state, or ``None`` if ``value`` is no
+    ``mindspore.nn.Optimizer``: its ``parameters_dict()`` (step, learning
+    rate, moments: ``moments.<name>``, ``moment1.<name>``, ...) less the
+    parameters it updates, which belong to the model's state.  An
+    optimizer is saved and loaded as this dict of Parameters (loaded in
+    place), not as a Stateful: MindSpore 2.10's ``Optimizer.load_state_dict``
+    refuses its own ``state_dict()``, which also repeats the model's
+    parameters."""
+    optimizer = getattr(getattr(_mindspore(), "nn", None), "Optimizer", None)
+    if optimizer is None or not isinstance(value, optimizer):
+        return None
+    updated = {id(p) for p in value.parameters}
+    return {k: p for k, p in value.parameters_dict().items() if id(p) not in updated}
+
+
 def for_save(fqn: str, value: Any) -> Any:
     """What a save plans with in place of ``value``: a MindSpore tensor's
     :func:`host_tensor`, a :class:`TensorShard` of one with its data so
-    replaced, anything else as it is.  The substitute of
-    :func:`dcp.core.stateful.resolve` for :func:`dcp.save` and
-    :func:`dcp.async_save`.
+    replaced, an optimizer's :func:`optimizer_state` so replaced, anything
+    else as it is.  The substitute of :func:`dcp.core.stateful.resolve` for
+    :func:`dcp.save` and :func:`dcp.async_save`.
 
     Raises :class:`UnsupportedDtypeError` naming ``fqn`` (:func:`dtype_of`).
     """
+    state = optimizer_state(value)
+    if state is not None:
+        return {k: for_save(f"{fqn}.{k}", p) for k, p in state.items()}
     if not is_mindspore(value):
         return value
     if isinstance(value, TensorShard):
@@ -151,6 +183,9 @@ class LoadTargets:
         Raises :class:`UnsupportedDtypeError` naming ``fqn`` and the dtype
         for a dtype the checkpoint lacks or MindSpore cannot be loaded into.
         """
+        state = optimizer_state(value)
+        if state is not None:
+            return {k: self.substitute(f"{fqn}.{k}", p) for k, p in state.items()}
         if not is_mindspore(value):
             return value
         tensor = value.data if isinstance(value, TensorShard) else value

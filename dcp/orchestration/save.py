@@ -445,8 +445,10 @@ def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
     (:mod:`dcp.core.mindspore_tensors`).  Raises :class:`CheckpointError`
     naming the fqn for an unsupported leaf."""
     state = SaveState()
-    resolved = stateful.resolve(state_dict, tensors.is_tensor,
-                                substitute=mindspore_tensors.for_save).state_dict
+    resolved = stateful.resolve(
+        state_dict, tensors.is_tensor,
+        substitute=mindspore_tensors.for_save if mindspore_tensors.imported() else None
+    ).state_dict
     for fqn, leaf in flatten(resolved, tensors.is_tensor).items():
         if tensors.is_tensor(leaf.value):
             for chunk in tensors.describe_chunks(fqn, leaf.value):

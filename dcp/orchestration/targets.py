@@ -40,7 +40,8 @@ class Targets:
         try:
             self.resolved = stateful.resolve(state_dict, tensors.is_tensor,
                                              prepare=tensors.init_optimizer_state,
-                                             substitute=self.mindspore.substitute)
+                                             substitute=self.mindspore.substitute
+                                             if mindspore_tensors.imported() else None)
         except CheckpointError as e:  # raised in the planning step, on every rank
             self.error = e
             self.resolved = stateful.Resolved(state_dict)
