@@ -303,3 +303,38 @@ def test_verify_refuses_chunks_that_do_not_cover_the_shape(tmp_path, capsys):
         verify(str(path))
     code, out, _ = _run(capsys, "verify", str(path))
     assert code == 3 and "DAMAGED" in out and "'w' has shape [9, 5]" in out, out
+
+
+def test_folders_named_ckpt_are_checkpoints_and_only_plain_files_are_mindspore(ckpt, tmp_path,
+                                                                               capsys):
+    run = tmp_path / "run.ckpt"
+    dcp.save(_state(), str(run))
+    code, out, err = _run(capsys, "inspect", str(run))
+    assert code == 0 and "hyperdcp format" in out, err
+    lightning = tmp_path / "epoch=0-step=10.ckpt"  # PyTorch Lightning's name for a DCP folder
+    assert _run(capsys, "convert", str(ckpt), str(lightning), "--to", "torch-dcp")[0] == 0
+    code, _, err = _run(capsys, "inspect", str(lightning))
+    assert code == 1 and "is a PyTorch DCP checkpoint" in err, err
+    code, _, err = _run(capsys, "convert", "--trust-pickle", str(lightning), str(tmp_path / "b"))
+    assert code == 0, err
+    (tmp_path / "empty.ckpt").mkdir()
+    code, _, err = _run(capsys, "inspect", str(tmp_path / "empty.ckpt"))
+    assert code == 1 and "is not a checkpoint" in err and "Traceback" not in err, err
+    text = tmp_path / "notes"  # no suffix, starts with b"\n": not taken for a .ckpt
+    text.write_bytes(b"\n\n\nheading\n\n\nsome text\n" * 4)
+    code, _, err = _run(capsys, "inspect", str(text))
+    assert code == 1 and "is not a checkpoint" in err, err
+
+
+def test_converting_a_non_hyperdcp_source_to_a_ckpt_name_is_a_usage_error(tmp_path, capsys):
+    save_file({"w": randn((2, 3), seed=3)}, tmp_path / "m.safetensors")
+    code, _, err = _run(capsys, "convert", str(tmp_path / "m.safetensors"),
+                        str(tmp_path / "o.ckpt"))
+    assert code == 2 and "convert to hyperdcp first" in err and "--to mindspore" in err, err
+    assert not (tmp_path / "o.ckpt").exists()
+    code, _, err = _run(capsys, "convert", str(tmp_path / "m.safetensors"), str(tmp_path / "h"))
+    assert code == 0, err
+    code, _, err = _run(capsys, "convert", str(tmp_path / "h"), str(tmp_path / "o.ckpt"))
+    assert code == 0 and (tmp_path / "o.ckpt").is_file(), err
+    code, out, err = _run(capsys, "inspect", str(tmp_path / "o.ckpt"))
+    assert code == 0 and "mindspore" in out, err

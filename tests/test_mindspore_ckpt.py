@@ -577,7 +577,7 @@ def test_cli_both_ways(small_ckpt, tmp_path, capsys):
                       "--to", "mindspore", "--prefix", "optim.")
     assert code == 0 and [r[0] for r in _records(tmp_path / "p.ckpt")] == ["m"]
     code, _, err = _cli(capsys, "convert", str(tmp_path / "enc.ckpt"), str(tmp_path / "never"))
-    assert code == 1 and "no such file" in err
+    assert code == 1 and "is not a checkpoint" in err and "does not exist" in err
 
 
 def test_convert_help_names_mindspore(capsys):
@@ -587,3 +587,14 @@ def test_convert_help_names_mindspore(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "MindSpore .ckpt file, by its suffix or first bytes" in text
     assert "{hyperdcp,safetensors,torch-dcp,mindspore}" in text and "--crc-check" in text
+
+
+def test_a_folder_is_refused_naming_it_and_first_bytes_want_a_plausible_record(small_ckpt,
+                                                                                tmp_path):
+    folder = tmp_path / "run.ckpt"
+    folder.mkdir()
+    _import_fails(folder, CheckpointError, "is a folder, not a MindSpore .ckpt file")
+    assert msc.is_mindspore_ckpt(small_ckpt.read_bytes()[:msc.HEAD_BYTES])
+    assert msc.is_mindspore_ckpt(small_ckpt.read_bytes()[:40])
+    for text in (b"\n\n\nheading\n\n\nsome text\n", b"\n\x05\n\x01a\n\n", b"\n", b"\n\x80"):
+        assert not msc.is_mindspore_ckpt(text), text

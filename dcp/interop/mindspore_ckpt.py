@@ -61,6 +61,7 @@ from __future__ import annotations
 import binascii
 import bisect
 import contextlib
+import errno
 import math
 import os
 import struct
@@ -370,6 +371,11 @@ def file_size(storage: StoragePlugin, name: str) -> int:
                 return len(view)
     except FileNotFoundError:
         raise NotACheckpointError(f"{storage.checkpoint_id}/{name}: no such file") from None
+    except OSError as e:  # a folder: EISDIR, or ENODEV from mmap
+        if isinstance(e, IsADirectoryError) or e.errno == errno.ENODEV:
+            raise CheckpointError(f"{storage.checkpoint_id}/{name} is a folder, not a MindSpore "
+                                  f"{SUFFIX} file") from None
+        raise CheckpointError(f"{storage.checkpoint_id}/{name}: cannot open it: {e}") from None
     size = storage.file_stats().get(name, (None, None))[0]
     if size is None:
         if not storage.exists(name):
@@ -574,18 +580,52 @@ class MindSporeCkpt(ReadOnlyView):
         return [CONTENT_FILE]
 
 
+def _head_varint(head: bytes, i: int) -> tuple[int, int] | None:
+    """The varint at ``head[i:]`` and the index after it; ``None`` where
+    ``head`` ends within it."""
+    value = 0
+    for shift in range(0, 64, 7):
+        if i >= len(head):
+            return None
+        value |= (head[i] & 0x7F) << shift
+        i += 1
+        if not head[i - 1] & 0x80:
+            return value, i
+    return None
+
+
+#: Bytes :func:`is_mindspore_ckpt` wants of a file (a first record's tag
+#: and the key after it, for tags up to about 4000 bytes).
+HEAD_BYTES = 4096
+
+
 def is_mindspore_ckpt(head: bytes) -> bool:
-    """Whether ``head``, a file's first bytes (at least 4), start like a
-    MindSpore ``.ckpt``: a field-1 record whose ``Value`` starts with its
-    tag, or MindSpore's cipher header."""
+    """Whether ``head``, a file's first bytes (:data:`HEAD_BYTES`, or the
+    whole file if shorter), start like a MindSpore ``.ckpt``: MindSpore's
+    cipher header, or a plausible first record — a field-1 ``Value`` whose
+    first field is its tag (UTF-8, within the record) followed by the key
+    of its ``tensor`` or ``maptensor`` field."""
     if head[:4] in _CIPHER_MAGICS:
         return True
-    if len(head) < 3 or head[0] != 0x0A:
+    if not head or head[0] != 1 << 3 | _LEN:
         return False
-    i = 1
-    while i < len(head) and head[i] & 0x80:  # the record's length
-        i += 1
-    return i + 1 < len(head) and head[i + 1] == 0x0A
+    record = _head_varint(head, 1)
+    if record is None:
+        return False
+    length, i = record
+    if i >= len(head) or head[i] != 1 << 3 | _LEN:  # the tag's key
+        return False
+    tag = _head_varint(head, i + 1)
+    if tag is None:
+        return False
+    end = tag[1] + tag[0]  # after the tag, where the tensor's key is
+    if end >= min(len(head), i + length):
+        return False
+    try:
+        head[tag[1]:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return head[end] in (2 << 3 | _LEN, 3 << 3 | _LEN)
 
 
 def mindspore_ckpt_to_checkpoint(source: str, checkpoint_id: str, *,

@@ -114,34 +114,39 @@ def _options_for(uri: str, options: dict[str | None, dict]) -> dict:
 
 
 def _is_ckpt_file(uri: str, options: dict[str | None, dict]) -> bool:
-    """Whether ``uri`` is a file that starts like a MindSpore ``.ckpt``."""
+    """Whether ``uri`` is a plain file that is a MindSpore ``.ckpt``: by its
+    suffix, or else by its first bytes (:func:`is_mindspore_ckpt`)."""
     root, _, name = uri.rstrip("/").rpartition("/")
-    head = memoryview(bytearray(16))
     try:
         storage = open_storage(root or ".", **_options_for(uri, options))
+        head = memoryview(bytearray(min(mindspore_ckpt.HEAD_BYTES,
+                                        mindspore_ckpt.file_size(storage, name))))
         storage.read_ranges(name, [(0, head)])
-    except Exception:  # noqa: BLE001  # no such file, a folder, shorter than 16 bytes: not one
+    except Exception:  # noqa: BLE001  # no such file, a folder, an unreadable one: not one
         return False
-    return is_mindspore_ckpt(bytes(head))
+    return name.endswith(mindspore_ckpt.SUFFIX) or is_mindspore_ckpt(bytes(head))
 
 
 def _detect(uri: str, options: dict[str | None, dict]) -> str:
-    """The format of what ``uri`` holds: one of :data:`FORMATS`."""
+    """The format of what ``uri`` holds: one of :data:`FORMATS`.  Checkpoint
+    folders are looked for first, so a folder named ``*.ckpt`` (PyTorch
+    Lightning names its DCP folders ``epoch=0-step=10.ckpt``) is one."""
     if uri.endswith(SUFFIX):
         return "safetensors"
-    if uri.endswith(mindspore_ckpt.SUFFIX) or _is_ckpt_file(uri, options):
-        return "mindspore"
     storage = open_storage(uri, **_options_for(uri, options))
     if has_metadata(storage):
         return "hyperdcp"
     if storage.exists(TORCH_METADATA_FILE):
         return "torch-dcp"
+    if _is_ckpt_file(uri, options):
+        return "mindspore"
     if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
                                          for n in storage.list_files()):
         return "safetensors"
     raise NotACheckpointError(
         f"{uri!r} is not a checkpoint (no {METADATA_FILE}, no PyTorch DCP "
-        f"{TORCH_METADATA_FILE}, no {SUFFIX} file): {what_is_there(storage)}")
+        f"{TORCH_METADATA_FILE}, no {SUFFIX} file, not a MindSpore {mindspore_ckpt.SUFFIX} "
+        f"file): {what_is_there(storage)}")
 
 
 def _open(uri: str, options: dict[str | None, dict]):
@@ -395,6 +400,12 @@ def _convert(args) -> int:
     if target is None:
         print("hyperdcp convert: error: SRC is a hyperdcp checkpoint: say which format to write "
               f"with --to ({', '.join(FORMATS[1:])})", file=sys.stderr)
+        return EXIT_USAGE
+    if args.to is None and source != "hyperdcp" and args.dst.endswith(mindspore_ckpt.SUFFIX):
+        print(f"hyperdcp convert: error: SRC is {source}, and a {mindspore_ckpt.SUFFIX} DST would "
+              f"be written as a hyperdcp folder; convert to hyperdcp first, then that to "
+              f"MindSpore with --to mindspore (or name the hyperdcp folder with --to hyperdcp)",
+              file=sys.stderr)
         return EXIT_USAGE
     common = {"rename": _rename_map(args.rename_map), "overwrite": args.overwrite,
               "progress": _progress(args)}
