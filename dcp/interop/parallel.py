@@ -77,7 +77,7 @@ DEFAULT_BUDGET_BYTES = 512 << 20
 #: the rest (:func:`tensor_bytes`), so that the process's RSS grows by no
 #: more than the budget.
 RESERVED_SHARE = 1 / 16
-#: An import packs data files of ``buffer_bytes / FILES_IN_FLIGHT``, so that
+#: An import packs data files of ``tensor_bytes(buffer_bytes) / FILES_IN_FLIGHT``, so that
 #: this many are read, checksummed and written at once.
 FILES_IN_FLIGHT = 4
 

@@ -335,8 +335,9 @@ def safetensors_to_checkpoint(source: str, checkpoint_id: str, *,
             its plugin.
         rename: safetensors name -> fqn.
         overwrite: replace a committed checkpoint at ``checkpoint_id``.
-        buffer_bytes: memory budget per process (bytes in flight; at least
-            the largest tensor is let through).
+        buffer_bytes: memory budget per process, bytes: tensors held at once
+            take 15/16 of it, the rest is left to the process's own memory
+            (at least the largest tensor is let through).
         progress: show a progress bar (tqdm, bytes) on stderr.
         process_group: share the conversion over this group's ranks
             (collective); ``None``: this process alone.
@@ -432,7 +433,7 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
 
     Each tensor is consolidated from its chunks (checksums verified) by
     reader threads ahead of the writer, several output files at once, with
-    the bytes in flight within ``buffer_bytes``
+    the bytes in flight within 15/16 of ``buffer_bytes``
     (:func:`dcp.interop.parallel.export_files`).  One shard is written as
     ``model.safetensors``; more as ``model-00001-of-0000N.safetensors``
     with ``model.safetensors.index.json`` (written last).  Within a shard

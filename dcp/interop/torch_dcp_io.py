@@ -324,8 +324,9 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
         rename: fqn (after regrouping) -> our fqn.
         overwrite: replace a committed checkpoint at ``checkpoint_id``.
         allow_pickle: store non-JSON values pickled instead of raising.
-        buffer_bytes: memory budget per process (bytes in flight; at least
-            the largest tensor is let through).
+        buffer_bytes: memory budget per process, bytes: tensors held at once
+            take 15/16 of it, the rest is left to the process's own memory
+            (at least the largest tensor is let through).
         progress: show a progress bar (tqdm, bytes) on stderr.
         process_group: share the conversion over this group's ranks
             (collective; every rank reads the source's metadata); ``None``:
