@@ -234,6 +234,15 @@ class PosixStorage(StoragePlugin):
         finally:
             os.close(dfd)
 
+    def replace(self, src: str, dst: str) -> None:
+        path = self._path(dst)
+        os.replace(self._path(src), path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # the new name survives a power loss
+        finally:
+            os.close(dfd)
+
     def exists(self, name: str) -> bool:
         return self._path(name).exists()
 

@@ -19,6 +19,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import uuid
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 import dcp
 from dcp.core.read_cost import ReadCost
+from dcp.core.storage import open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop import mindspore_ckpt as msc
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
@@ -598,3 +600,46 @@ def test_a_folder_is_refused_naming_it_and_first_bytes_want_a_plausible_record(s
     assert msc.is_mindspore_ckpt(small_ckpt.read_bytes()[:40])
     for text in (b"\n\n\nheading\n\n\nsome text\n", b"\n\x05\n\x01a\n\n", b"\n", b"\n\x80"):
         assert not msc.is_mindspore_ckpt(text), text
+
+
+def _damaged(tmp_path: Path) -> str:
+    """A checkpoint whose second tensor fails its checksum: an export fails midway."""
+    src = tmp_path / "damaged"
+    dcp.save({"a": torch.arange(6, dtype=torch.int32), "b": torch.ones(2, 2)}, str(src))
+    chunk = dcp.read_metadata(str(src)).tensors["b"].chunks[0]
+    raw = bytearray((src / chunk.file).read_bytes())
+    raw[chunk.byte_offset] ^= 1
+    (src / chunk.file).write_bytes(bytes(raw))
+    return str(src)
+
+
+@pytest.mark.parametrize("scheme", ["path", "shm"])
+def test_a_failed_overwrite_keeps_the_previous_file(small_ckpt, tmp_path, scheme):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    good = small_ckpt.read_bytes()
+    (folder / "model.ckpt").write_bytes(good)
+    dest, options = (str(folder / "model.ckpt"), {}) if scheme == "path" else (
+        "shm://out/model.ckpt", {"root": str(tmp_path)})
+    with pytest.raises(CorruptCheckpointError, match="'b': checksum mismatch"):
+        msc.checkpoint_to_mindspore_ckpt(_damaged(tmp_path), dest, overwrite=True,
+                                         dest_options=options)
+    assert os.listdir(folder) == ["model.ckpt"] and (folder / "model.ckpt").read_bytes() == good
+    msc.checkpoint_to_mindspore_ckpt(str(tmp_path / "src"), dest, overwrite=True,
+                                     dest_options=options)
+    assert os.listdir(folder) == ["model.ckpt"] and (folder / "model.ckpt").read_bytes() == good
+
+
+def test_without_atomic_replace_an_existing_file_is_refused_and_a_failure_leaves_nothing(
+        small_ckpt, tmp_path):
+    root = f"memory://ms-{uuid.uuid4().hex}"
+    msc.checkpoint_to_mindspore_ckpt(str(tmp_path / "src"), f"{root}/model.ckpt")
+    dest = open_storage(root)
+    assert dest.list_files() == ["model.ckpt"]
+    assert dest.read_file("model.ckpt") == small_ckpt.read_bytes()
+    with pytest.raises(CheckpointError, match="cannot replace a file atomically; delete it first"):
+        msc.checkpoint_to_mindspore_ckpt(str(tmp_path / "src"), f"{root}/model.ckpt",
+                                         overwrite=True)
+    with pytest.raises(CorruptCheckpointError, match="'b': checksum mismatch"):
+        msc.checkpoint_to_mindspore_ckpt(_damaged(tmp_path), f"{root}/other.ckpt")
+    assert dest.list_files() == ["model.ckpt"]

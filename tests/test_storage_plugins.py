@@ -13,6 +13,7 @@ import os
 import random
 import re
 import sys
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -22,7 +23,7 @@ import torch
 import dcp
 from dcp.asynchronous import staging
 from dcp.core.metadata import METADATA_FILE
-from dcp.core.storage import ENTRY_POINT_GROUP, installed_schemes, open_storage
+from dcp.core.storage import ENTRY_POINT_GROUP, can_replace, installed_schemes, open_storage
 from dcp.orchestration.save import describe_state
 from dist_harness import dist_scenario
 from helpers import (
@@ -299,3 +300,21 @@ def test_shm_survives_its_writers_and_loads_in_4_processes(ctx):
         assert storage.list_files() == []
         for directory in (storage.root, storage.root.parent):
             directory.rmdir()
+
+
+@pytest.mark.parametrize("uri", ["path", "shm://replace-test/ckpt"])
+def test_replace_renames_over_the_old_file_where_the_plugin_can(uri, tmp_path):
+    storage = open_storage(str(tmp_path / "ckpt") if uri == "path" else uri,
+                           **({} if uri == "path" else {"root": str(tmp_path)}))
+    assert can_replace(storage)
+    storage.write_file("f", [b"old"])
+    storage.write_file("f.tmp", [b"new"])
+    storage.replace("f.tmp", "f")
+    assert storage.list_files() == ["f"] and storage.read_file("f") == b"new"
+    storage.replace("f", "g")  # to a new name too
+    assert storage.list_files() == ["g"]
+    memory = open_storage(f"memory://replace-{uuid.uuid4().hex}")
+    assert not can_replace(memory)
+    memory.write_file("f.tmp", [b"new"])
+    with pytest.raises(NotImplementedError, match="cannot replace a file atomically"):
+        memory.replace("f.tmp", "f")

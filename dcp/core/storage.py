@@ -170,6 +170,17 @@ class StoragePlugin(abc.ABC):
     def delete(self, names: Iterable[str]) -> None:
         """Delete files; names that do not exist are ignored."""
 
+    def replace(self, src: str, dst: str) -> None:
+        """Rename file ``src`` to ``dst`` atomically, replacing ``dst`` if it
+        exists: readers see the old ``dst`` or all of ``src``, never a part
+        or nothing, and the new name is durable when it returns.  For a
+        writer that publishes a whole file under a temporary name (an
+        export).  Optional: the default raises ``NotImplementedError`` (an
+        object store has no atomic rename); :func:`can_replace` tells
+        whether a plugin has it, and callers without it must never write
+        over an existing file."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace a file atomically")
+
     def location_exists(self) -> bool | None:
         """Whether the root itself exists (a directory), for messages about
         a missing path; ``None`` where the backend has no such notion (an
@@ -206,6 +217,11 @@ class StoragePlugin(abc.ABC):
         if magic != _EXCHANGE_MAGIC or length != len(payload) or crc != checksum(payload):
             return None
         return payload
+
+
+def can_replace(storage: StoragePlugin) -> bool:
+    """Whether ``storage`` implements :meth:`StoragePlugin.replace`."""
+    return type(storage).replace is not StoragePlugin.replace
 
 
 def checkpoint_uri(checkpoint_id: str) -> str:

@@ -63,12 +63,10 @@ import bisect
 import contextlib
 import errno
 import math
-import os
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -80,7 +78,7 @@ from dcp.core.metadata import (
     ObjectMeta,
     TensorMeta,
 )
-from dcp.core.storage import StoragePlugin, open_storage, scheme_of
+from dcp.core.storage import StoragePlugin, can_replace, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop.parallel import DEFAULT_BUDGET_BYTES, OutputFile, export_files, import_checkpoint
 from dcp.interop.safetensors_io import export_selection
@@ -787,11 +785,14 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     ``append_dict`` stores them (strings as ``"str"``, ints as Int64, floats
     as Float64, bools as Bool, 0-dim); other values are skipped, and so are
     tensors of shape ``(0,)`` (MindSpore's loader reads dims ``[0]`` as a
-    0-dim tensor; other empty shapes are written).  On a local
-    path the file is written as ``<name>.tmp-<id>`` and renamed (a failed or
-    killed export leaves no partial ``.ckpt``); elsewhere it is written under
-    its name, and removed if the export fails.  With a ``process_group`` the
-    call is collective (rank 0 writes the file).
+    0-dim tensor; other empty shapes are written).  Where the storage
+    plugin replaces files atomically (:meth:`~dcp.core.storage.StoragePlugin.replace`:
+    paths, ``shm://``) the file is written as ``<name>.tmp-<id>`` and renamed
+    over ``dest_ckpt``, as MindSpore does (a failed or killed export leaves
+    no partial ``.ckpt`` and the previous file as it was); elsewhere it is
+    written under its name, which must not exist yet, and removed if the
+    export fails.  With a ``process_group`` the call is collective (rank 0
+    writes the file).
 
     Args:
         checkpoint_id: the checkpoint, path or URI; ``storage_options`` go
@@ -820,7 +821,8 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
 
     Raises:
         NotACheckpointError / CorruptCheckpointError: as :func:`dcp.load`.
-        CheckpointError: ``dest_ckpt`` exists without ``overwrite`` or does
+        CheckpointError: ``dest_ckpt`` exists without ``overwrite``, or
+            exists on a storage that cannot replace it atomically, or does
             not end in ``.ckpt``; a dtype with no MindSpore type
             (:data:`MINDSPORE_DTYPES`) naming the tensor, a bad prefix,
             rename map or ``dtype``; a failed write (nothing is left at
@@ -842,8 +844,14 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
               if md.objects[f].pickled is None and md.objects[f].blob is None}
     tags = renamed([*stripped.values(), *(f[len(strip or ""):] for f in values)], rename, where)
     dest = open_storage(root, **(dest_options or {}))
-    if dest.exists(name) and not overwrite:
-        raise CheckpointError(f"{str(dest_ckpt)!r} exists; pass overwrite=True to replace it")
+    atomic = can_replace(dest)
+    if dest.exists(name):
+        if not overwrite:
+            raise CheckpointError(f"{str(dest_ckpt)!r} exists; pass overwrite=True to replace it")
+        if not atomic:
+            raise CheckpointError(f"{str(dest_ckpt)!r} exists, and its storage "
+                                  f"({type(dest).__name__}) cannot replace a file atomically; "
+                                  f"delete it first")
     result = ExportResult(skipped=[f for f in kept if f not in values])
     pieces: list[list[tuple[bytes, int, int]]] = []
     entries = []
@@ -871,20 +879,13 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
             result.skipped.append(fqn)
         else:
             tail.append(record)
-    local = scheme_of(str(dest_ckpt)) == "file"
-    temp = f"{name}.tmp-{uuid.uuid4().hex[:8]}" if local else name
+    temp = f"{name}.tmp-{uuid.uuid4().hex[:8]}" if atomic else name
     output = OutputFile(temp, b"", entries, frame=lambda ahead: _Framed(ahead, pieces, tail,
                                                                          crc_check))
 
     def publish() -> list[str]:
-        if local:
-            folder = Path(root.removeprefix("file://"))
-            os.replace(folder / temp, folder / name)
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # the new name survives a power loss
-            finally:
-                os.close(fd)
+        if atomic:
+            dest.replace(temp, name)
         return []
 
     with progress_bar(result.nbytes, "export", progress) as bar:
