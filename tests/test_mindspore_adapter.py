@@ -312,6 +312,24 @@ def test_an_optimizer_saves_and_loads_its_own_state_in_place(tmp: Path):
 
 
 @_in_mindspore
+def test_views_of_mindspore_tensors_are_loaded_through_to_their_base(tmp: Path):
+    """A transposed view and a column slice (part of a fused weight) are
+    filled, and their bases see the values."""
+    import mindspore as ms
+
+    values = np.arange(24, dtype=np.float32).reshape(6, 4)
+    dcp.save({"t": torch.from_numpy(values.copy()), "q": torch.from_numpy(values[:4, :3].copy())},
+             tmp / "c")
+    base = ms.Tensor(np.zeros((4, 6), np.float32))
+    fused = ms.Parameter(ms.Tensor(np.zeros((4, 9), np.float32)), name="qkv")
+    view, part = base.T, fused[:, 0:3]
+    dcp.load({"t": view, "q": part}, tmp / "c")
+    assert np.array_equal(base.asnumpy(), values.T)
+    assert np.array_equal(fused.asnumpy()[:, :3], values[:4, :3])
+    assert not fused.asnumpy()[:, 3:].any()
+
+
+@_in_mindspore
 def test_mindspore_targets_are_untouched_where_nothing_is_loaded(tmp: Path):
     """A key missing under ``strict=False`` and a load that fails on a
     damaged chunk leave the MindSpore targets' values as they were."""
@@ -537,11 +555,16 @@ def test_layout_errors_name_the_shape_and_layout():
         (torch.zeros(2, 3), (4, 6), (2, 2), (0, 0), 0, "at most once"),
         (torch.zeros(2, 3), (4, 3), (2,), (0, -1), 2, "rank 2 is not one of"),
         (torch.zeros(4, 3), (4, 3), (2,), (0, -1), 1, r"slice has shape \(4, 3\), not .*\(2, 3\)"),
+        (torch.zeros(2, 3), (4, 3), (0, 1), (0, -1), 0, "sizes must be positive"),
     ]
     for data, shape, matrix, tmap, rank, message in cases:
         with pytest.raises(dcp.CheckpointError, match=message) as info:
             dcp.mindspore_shard(data, shape, matrix, tmap, rank)
         assert f"shape {shape}" in str(info.value)
+    with pytest.raises(dcp.CheckpointError, match="rank_list has 3 ranks, the device matrix 2"):
+        dcp.mindspore_shard(torch.zeros(2, 3), (4, 3), (2, 1), (1, -1), 0, rank_list=[0, 1, 2])
+    with pytest.raises(dcp.CheckpointError, match="not alias names"):
+        dcp.mindspore_shard(torch.zeros(2, 3), (4, 3), (2,), ("dp", "None"), 0)
     shard = dcp.mindspore_shard(torch.zeros(2, 3), (4, 3), (2,), (0, -1), 7, rank_list=[9, 7])
     assert tuple(shard.global_offsets) == (2, 0)
 

@@ -203,8 +203,12 @@ class LoadTargets:
 
     def write_back(self, skip: Sequence[str] = ()) -> None:
         """Copy each loaded host tensor into its MindSpore target in place
-        (``Tensor.copy_``), except the fqns of ``skip`` (the load's missing
-        keys: nothing was read for them).
+        (``Tensor.copy_``; ``target[:] = ...`` for a non-contiguous view,
+        into which MindSpore 2.10's ``copy_`` and ``target[...] = ...``
+        silently write nothing),
+        except the fqns of ``skip`` (the load's missing keys: nothing was
+        read for them).  The bytes cross as ``uint8`` viewed as the target's
+        dtype, so bfloat16 needs no NumPy type.
 
         Raises :class:`CheckpointError` naming the fqn if MindSpore's copy
         fails.
@@ -216,10 +220,13 @@ class LoadTargets:
         for fqn, target, host in self.pending:
             if fqn in left_out:
                 continue
-            nptype = ms.dtype_to_nptype(target.dtype)
-            array = host.reshape(-1).view(torch.uint8).numpy().view(nptype)
+            flat = ms.Tensor.from_numpy(host.reshape(-1).view(torch.uint8).numpy())
             try:
-                target.copy_(ms.Tensor.from_numpy(array.reshape(tuple(target.shape))))
+                source = flat.view(target.dtype).reshape(tuple(target.shape))
+                if target.is_contiguous() or not target.ndim:
+                    target.copy_(source)
+                else:
+                    target[:] = source
             except Exception as e:
                 raise CheckpointError(
                     f"{fqn!r}: writing the loaded values into the MindSpore "
@@ -270,17 +277,30 @@ def mindspore_shard(data: Any, global_shape: Sequence[int], device_matrix: Seque
             split (MindSpore requires even slices), or ``data`` not of the
             slice's shape; the message names the shape and the layout.
     """
-    shape = tuple(int(s) for s in global_shape)
-    matrix = tuple(int(d) for d in device_matrix)
+    try:
+        shape = tuple(int(s) for s in global_shape)
+        matrix = tuple(int(d) for d in device_matrix)
+        used = [d for entry in tensor_map for d in _entries(entry)]
+        ranks = list(range(math.prod(matrix))) if rank_list is None else [int(r)
+                                                                          for r in rank_list]
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"mindspore_shard takes integer sequences: the global shape, and the "
+            f"'device_matrix', 'tensor_map' (device dimensions, not alias names) and "
+            f"'rank_list' of Layout(...)(...).to_dict(); got {device_matrix!r}, "
+            f"{tensor_map!r}: {e}") from None
     what = f"shape {shape} with device matrix {matrix} and tensor map {tuple(tensor_map)}"
+    if not matrix or any(d < 1 for d in matrix):
+        raise CheckpointError(f"{what}: device matrix sizes must be positive")
     if len(tensor_map) != len(shape):
         raise CheckpointError(f"{what}: the tensor map needs one entry per dimension")
-    used = [d for entry in tensor_map for d in _entries(entry)]
     if any(not 0 <= d < len(matrix) for d in used) or len(set(used)) != len(used):
         raise CheckpointError(f"{what}: each entry must name a device dimension "
                               f"0..{len(matrix) - 1} (from the right) at most once, or -1")
-    ranks = list(range(math.prod(matrix))) if rank_list is None else [int(r) for r in rank_list]
-    if len(ranks) != math.prod(matrix) or rank not in ranks:
+    if len(ranks) != math.prod(matrix):
+        raise CheckpointError(f"{what}: rank_list has {len(ranks)} ranks, the device matrix "
+                              f"{math.prod(matrix)}")
+    if rank not in ranks:
         raise CheckpointError(f"{what}: rank {rank} is not one of the layout's ranks {ranks}")
     index, coordinate = ranks.index(rank), [0] * len(matrix)
     for d in reversed(range(len(matrix))):  # row-major: the last dimension varies fastest
