@@ -33,6 +33,7 @@ from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointEr
 from dcp.interop import mindspore_ckpt as msc
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
 from dcp.tools.cli import main
+from dist_harness import dist_scenario
 from storage_plugins.posix import PosixStorage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -643,3 +644,24 @@ def test_without_atomic_replace_an_existing_file_is_refused_and_a_failure_leaves
     with pytest.raises(CorruptCheckpointError, match="'b': checksum mismatch"):
         msc.checkpoint_to_mindspore_ckpt(_damaged(tmp_path), f"{root}/other.ckpt")
     assert dest.list_files() == ["model.ckpt"]
+
+
+@dist_scenario(world_size=2)
+def test_two_rank_export_takes_rank_0s_look_at_the_destination(ctx):
+    import torch.distributed as dist
+
+    src, dest = ctx.dir / "src", ctx.dir / "model.ckpt"
+    dcp.save({"a": torch.arange(6, dtype=torch.int32)}, str(src))  # collective
+    real = PosixStorage.exists
+    if ctx.rank == 1:  # a stale view of the destination on rank 1 (say, a cached listing)
+        PosixStorage.exists = lambda self, name: name == "model.ckpt" or real(self, name)
+    try:
+        result = msc.checkpoint_to_mindspore_ckpt(str(src), str(dest),
+                                                  process_group=dist.group.WORLD)
+    finally:
+        PosixStorage.exists = real
+    assert result.files == ["model.ckpt"] and _records(dest)[0][:3] == ["a", [6], "Int32"]
+    ctx.barrier()
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+        msc.checkpoint_to_mindspore_ckpt(str(src), str(dest), process_group=dist.group.WORLD)
+    assert sorted(os.listdir(ctx.dir)) == ["model.ckpt", "src"]

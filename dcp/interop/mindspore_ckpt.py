@@ -80,7 +80,13 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import StoragePlugin, can_replace, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
-from dcp.interop.parallel import DEFAULT_BUDGET_BYTES, OutputFile, export_files, import_checkpoint
+from dcp.interop.parallel import (
+    DEFAULT_BUDGET_BYTES,
+    OutputFile,
+    Ranks,
+    export_files,
+    import_checkpoint,
+)
 from dcp.interop.safetensors_io import export_selection
 from dcp.interop.streaming import ExportResult, progress_bar, renamed
 from dcp.interop.view import ReadOnlyView
@@ -845,7 +851,9 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     tags = renamed([*stripped.values(), *(f[len(strip or ""):] for f in values)], rename, where)
     dest = open_storage(root, **(dest_options or {}))
     atomic = can_replace(dest)
-    if dest.exists(name):
+    ranks = Ranks.of(process_group)
+    # rank 0 looks, before any rank writes: every rank refuses alike
+    if ranks.broadcast(dest.exists(name) if ranks.rank == 0 else None):
         if not overwrite:
             raise CheckpointError(f"{str(dest_ckpt)!r} exists; pass overwrite=True to replace it")
         if not atomic:
