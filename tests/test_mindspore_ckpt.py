@@ -19,6 +19,8 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
+import tracemalloc
 import uuid
 from importlib.util import find_spec
 from pathlib import Path
@@ -469,6 +471,35 @@ def test_packed_dims_and_unknown_fields_are_read(tmp_path):
     msc.mindspore_ckpt_to_checkpoint(str(path), str(tmp_path / "out"))
     assert _bytes(_read(tmp_path / "out", "t")) == content
     assert dcp.read_metadata(str(tmp_path / "out")).tensors["t"].shape == (2, 3)
+
+
+def _leb(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def test_too_many_packed_dims_are_refused_before_the_field_is_read(tmp_path):
+    def ckpt(packed: bytes) -> Path:
+        tensor = b"\x0a" + _leb(len(packed)) + packed + b"\x12\x04Int8\x1a\x01\x07"
+        value = b"\x0a\x01t\x12" + _leb(len(tensor)) + tensor
+        path = tmp_path / f"dims-{len(packed)}.ckpt"
+        path.write_bytes(b"\x0a" + _leb(len(value)) + value)
+        return path
+
+    big = ckpt(b"\x01" * (4 << 20))  # 4 MiB of dims: refused at its length
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        assert "packed dims of 4194304 bytes (more than 64 dims)" in _import_fails(big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 1 and peak < 8 << 20, peak
+    assert "with more than 64 dims" in _import_fails(ckpt(b"\x01" * 65))  # short, but too many
+    assert msc.MindSporeCkpt(str(ckpt(b"\x01" * 64))).metadata.tensors["t"].shape == (1,) * 64
 
 
 # ---- writing: splits, failures, refusals -------------------------------------

@@ -268,8 +268,14 @@ def _tensor(reader: _Reader, end: int, record: Record) -> None:
         if number == 1 and wire == _VARINT:
             record.dims.append(reader.varint())
         elif number == 1 and wire == _LEN:  # packed
-            stop = reader.length(end) + reader.pos  # pos after the length
+            n = reader.length(end)
+            if n > MAX_DIMS * 10:  # a varint is at most 10 bytes
+                raise reader.fail(f"tensor {record.tag!r}: packed dims of {n} bytes (more than "
+                                  f"{MAX_DIMS} dims)")
+            stop = n + reader.pos  # pos after the length
             while reader.pos < stop:
+                if len(record.dims) == MAX_DIMS:
+                    raise reader.fail(f"tensor {record.tag!r} with more than {MAX_DIMS} dims")
                 record.dims.append(reader.varint())
             if reader.pos != stop:
                 raise reader.fail("packed dims that overrun their field")
