@@ -274,7 +274,7 @@ def exported(ms_files, tmp_path_factory) -> tuple[Path, dict]:
     mixed = {"model": {"w": torch.arange(91, dtype=torch.float32).reshape(7, 13),
                        "e": torch.zeros(0, 4, dtype=torch.int16),
                        "s": torch.tensor(3, dtype=torch.uint8)},
-             "step": 12, "lr": 0.375, "flag": False, "name": "run-1", "sizes": [1, 2]}
+             "step": 12, "lr": 0.375, "flag": False, "name": "run-1", "blank": "", "sizes": [1, 2]}
     dcp.save(mixed, str(out / "mixed"))
     msc.checkpoint_to_mindspore_ckpt(str(out / "mixed"), str(out / "mixed.ckpt"), slice_bytes=100)
     checkpoint_to_safetensors(str(out / "dtypes"), str(out / "st"), metadata={"format": "ms"})
@@ -325,6 +325,12 @@ def test_cast_prefix_pieces_and_values_as_mindspore_reads_them(ms_files, exporte
                              "b64": base64.b64encode((12).to_bytes(8, "little")).decode()}
     assert mixed["lr"]["dtype"] == "Float64" and mixed["flag"]["b64"] == "AA=="
     assert mixed["name"] == {"str": "run-1"} and "sizes" not in mixed
+    assert mixed["blank"] == {"str": ""}  # written as MindSpore writes "": 4 NUL bytes
+    blank = next(r for r in _records(out / "mixed.ckpt") if r[0] == "blank")
+    assert blank == ["blank", [0], "str", base64.b64encode(bytes(4)).decode()]
+    back = out / "mixed-back"
+    msc.mindspore_ckpt_to_checkpoint(str(out / "mixed.ckpt"), str(back))
+    assert dcp.read_metadata(str(back)).objects["blank"].value == ""
 
 
 @needs_mindspore

@@ -717,11 +717,13 @@ def value_header(tag: str, dims: Sequence[int], tensor_type: str, content_bytes:
 
 def _object_record(tag: str, value) -> bytes | None:
     """A value of our checkpoint as a record, as ``save_checkpoint``'s
-    ``append_dict`` stores it: a string as ``"str"``, a bool, an int (in
-    int64) or a float (as Float64, exact) as a 0-dim tensor; ``None`` for
-    anything else."""
+    ``append_dict`` stores it: a string as ``"str"`` (``""`` as one NUL
+    character, as numpy holds it), a bool, an int (in int64) or a float (as
+    Float64, exact) as a 0-dim tensor; ``None`` for anything else."""
     if isinstance(value, str):
-        content = value.encode("utf-32-le")
+        # numpy's bytes of np.array(value), as MindSpore writes them: "" is a
+        # <U1 array, one NUL character (no bytes fail its loader on the file)
+        content = value.encode("utf-32-le") or bytes(4)
         return value_header(tag, [0], STR_TYPE, len(content)) + content
     if isinstance(value, bool):
         content = bytes([value])
