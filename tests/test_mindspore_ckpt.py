@@ -702,3 +702,16 @@ def test_two_rank_export_takes_rank_0s_look_at_the_destination(ctx):
     with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
         msc.checkpoint_to_mindspore_ckpt(str(src), str(dest), process_group=dist.group.WORLD)
     assert sorted(os.listdir(ctx.dir)) == ["model.ckpt", "src"]
+
+
+def test_one_file_sources_split_alike_into_folder_and_name(small_ckpt, monkeypatch):
+    from dcp.interop.safetensors_io import SafetensorsFolder
+    from dcp.interop.streaming import split_file
+
+    assert split_file("s3://bucket/run/m.ckpt") == ("s3://bucket/run", "m.ckpt")
+    assert split_file("m.ckpt") == (".", "m.ckpt") and split_file("d/m.ckpt/") == ("d", "m.ckpt")
+    monkeypatch.chdir(small_ckpt.parent)  # bare names: the current folder
+    checkpoint_to_safetensors("src", "st")
+    view = SafetensorsFolder("st/model.safetensors")
+    assert (view.inner.checkpoint_id, view._single) == ("st", "model.safetensors")
+    assert set(msc.MindSporeCkpt("small.ckpt").metadata.tensors) == {"a", "b"}

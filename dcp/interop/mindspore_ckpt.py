@@ -88,7 +88,7 @@ from dcp.interop.parallel import (
     import_checkpoint,
 )
 from dcp.interop.safetensors_io import export_selection
-from dcp.interop.streaming import ExportResult, progress_bar, renamed
+from dcp.interop.streaming import ExportResult, progress_bar, renamed, split_file
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import read_metadata
 
@@ -395,11 +395,6 @@ def file_size(storage: StoragePlugin, name: str) -> int:
     return size
 
 
-def _split_source(source: str) -> tuple[str, str]:
-    root, _, name = str(source).rpartition("/")
-    return root or ".", name
-
-
 class MindSporeCkpt(ReadOnlyView):
     """A MindSpore ``.ckpt`` file presented as a read-only checkpoint.
 
@@ -413,7 +408,7 @@ class MindSporeCkpt(ReadOnlyView):
     """
 
     def __init__(self, source: str, *, rename: dict[str, str] | None = None, **options) -> None:
-        root, self.name = _split_source(source)
+        root, self.name = split_file(source)
         super().__init__(str(source), open_storage(root, **options), "MindSpore checkpoint")
         self.rename = rename
         self._metadata: Metadata | None = None
@@ -843,7 +838,7 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
             ``dest_ckpt``).
     """
     where = repr(str(checkpoint_id))
-    root, name = _split_source(str(dest_ckpt))
+    root, name = split_file(str(dest_ckpt))
     if not name.endswith(SUFFIX):
         raise CheckpointError(f"{str(dest_ckpt)!r}: a MindSpore checkpoint's name ends in "
                               f"{SUFFIX} (mindspore.load_checkpoint requires it)")

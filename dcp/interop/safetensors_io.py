@@ -67,7 +67,7 @@ from dcp.interop.parallel import (
     import_checkpoint,
 )
 from dcp.interop.remap import RemappedView, load_through
-from dcp.interop.streaming import ExportResult, progress_bar, renamed
+from dcp.interop.streaming import ExportResult, progress_bar, renamed, split_file
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import LoadReport, load, read_metadata
 
@@ -112,15 +112,6 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _split_source(source: str) -> tuple[str, str | None]:
-    """The folder URI of ``source`` and, if it names one ``.safetensors``
-    file, that file's name."""
-    if not source.endswith(SUFFIX):
-        return source, None
-    root, _, name = source.rpartition("/")
-    return root or ".", name
-
-
 class SafetensorsFolder(ReadOnlyView):
     """A safetensors model presented as a read-only checkpoint.
 
@@ -135,7 +126,9 @@ class SafetensorsFolder(ReadOnlyView):
     """
 
     def __init__(self, source: str, *, rename: dict[str, str] | None = None, **options) -> None:
-        root, self._single = _split_source(str(source))
+        root, self._single = str(source), None  # a folder
+        if root.endswith(SUFFIX):  # one file
+            root, self._single = split_file(root)
         super().__init__(str(source), open_storage(root, **options), "safetensors folder")
         self.rename = rename
         self._metadata: Metadata | None = None

@@ -115,6 +115,15 @@ def renamed(fqns: Iterable[str], rename: dict[str, str] | None, where: str) -> d
     return out
 
 
+def split_file(uri: str) -> tuple[str, str]:
+    """The folder of file ``uri`` (a path or URI; ``"."`` for a bare name)
+    and the file's name: the storage plugin to open and the name to ask it
+    for, for the converters that take one file (a ``.safetensors``, a
+    MindSpore ``.ckpt``)."""
+    root, _, name = uri.rstrip("/").rpartition("/")
+    return root or ".", name
+
+
 def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
     """Read the last byte of each chunk of ``fqn``, so that a short file (or
     a crafted size) raises before its tensor's memory is allocated.  Raises

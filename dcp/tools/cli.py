@@ -62,6 +62,7 @@ from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointEr
 from dcp.interop import mindspore_ckpt, safetensors_io, torch_dcp_io
 from dcp.interop.mindspore_ckpt import MindSporeCkpt, is_mindspore_ckpt
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
+from dcp.interop.streaming import split_file
 from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
 from dcp.manager.manager import POINTER, STEP_PREFIX, prune_steps, read_pointer, step_of
 from dcp.manager.policies import LatestN
@@ -116,9 +117,9 @@ def _options_for(uri: str, options: dict[str | None, dict]) -> dict:
 def _is_ckpt_file(uri: str, options: dict[str | None, dict]) -> bool:
     """Whether ``uri`` is a plain file that is a MindSpore ``.ckpt``: by its
     suffix, or else by its first bytes (:func:`is_mindspore_ckpt`)."""
-    root, _, name = uri.rstrip("/").rpartition("/")
+    root, name = split_file(uri)
     try:
-        storage = open_storage(root or ".", **_options_for(uri, options))
+        storage = open_storage(root, **_options_for(uri, options))
         head = memoryview(bytearray(min(mindspore_ckpt.HEAD_BYTES,
                                         mindspore_ckpt.file_size(storage, name))))
         storage.read_ranges(name, [(0, head)])
