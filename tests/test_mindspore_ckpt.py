@@ -715,3 +715,20 @@ def test_one_file_sources_split_alike_into_folder_and_name(small_ckpt, monkeypat
     view = SafetensorsFolder("st/model.safetensors")
     assert (view.inner.checkpoint_id, view._single) == ("st", "model.safetensors")
     assert set(msc.MindSporeCkpt("small.ckpt").metadata.tensors) == {"a", "b"}
+
+
+def test_crc_num_bytes_ending_the_last_tensor_are_its_bytes_not_a_trailer(tmp_path):
+    content = b"ab" + msc.CRC_MARK + bytes(range(10))
+    dcp.save({"t": torch.frombuffer(bytearray(content), dtype=torch.uint8)}, str(tmp_path / "src"))
+    for crc_check in (False, True):
+        path = tmp_path / f"crc-{crc_check}.ckpt"
+        msc.checkpoint_to_mindspore_ckpt(str(tmp_path / "src"), str(path), crc_check=crc_check)
+        if not crc_check:
+            assert path.read_bytes()[-17:] == content[2:]  # what a trailer looks like
+        msc.mindspore_ckpt_to_checkpoint(str(path), str(tmp_path / f"back-{crc_check}"))
+        assert _bytes(_read(tmp_path / f"back-{crc_check}", "t")) == content
+    path = tmp_path / "crc-True.ckpt"  # a real trailer is still checked
+    raw = bytearray(path.read_bytes())
+    raw[-20] ^= 1
+    path.write_bytes(bytes(raw))
+    assert "the file is damaged" in _import_fails(path)

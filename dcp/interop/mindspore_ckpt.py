@@ -133,14 +133,15 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
 class _Reader:
     """Sequential reads of bytes ``[0, end)`` of file ``name``, in blocks of
-    :data:`_BLOCK`.  With ``crc``, every byte is read once, in order
-    (skipped ones included), and :attr:`crc` is their CRC-32; without,
-    skipped bytes are not read."""
+    :data:`_BLOCK`.  With ``crc_end``, every byte is read once, in order
+    (skipped ones included), and :attr:`crc` is the CRC-32 of those before
+    ``crc_end``; without, skipped bytes are not read."""
 
     def __init__(self, storage: StoragePlugin, name: str, where: str, end: int,
-                 crc: bool) -> None:
+                 crc_end: int | None) -> None:
         self.storage, self.name, self.where, self.end = storage, name, where, end
-        self.crc: int | None = 0 if crc else None
+        self.crc: int | None = None if crc_end is None else 0
+        self.crc_end = crc_end
         self.pos = 0
         self._buf = b""
         self._buf_start = 0
@@ -195,8 +196,8 @@ class _Reader:
         except Exception as e:
             raise CorruptCheckpointError(f"{self.where}: reading bytes {start}..{start + len(out)} "
                                          f"failed: {e}") from e
-        if self.crc is not None:
-            self.crc = binascii.crc32(out, self.crc)
+        if self.crc is not None and self.crc_end is not None:
+            self.crc = binascii.crc32(out[:max(0, self.crc_end - start)], self.crc)
 
     def varint(self) -> int:
         start, value = self.pos, 0
@@ -338,24 +339,28 @@ def records(storage: StoragePlugin, name: str, size: int, where: str) -> list[Re
             f"{where} is encrypted ({_CIPHER_MAGICS[bytes(head[:4])]}: saved with enc_key); "
             f"decrypt it with MindSpore first (mindspore.load_checkpoint(..., dec_key=...) and "
             f"save_checkpoint without enc_key)")
-    end, expected = size, None
+    # b"crc_num" is a trailer only where the records end: its b"c" (field 12,
+    # wire type 3) cannot start a record, so the same bytes inside the last
+    # record are that record's
+    trailer, expected = None, None
     if size >= CRC_TRAILER_BYTES and bytes(tail[:len(CRC_MARK)]) == CRC_MARK:
-        end, expected = size - CRC_TRAILER_BYTES, int.from_bytes(tail[len(CRC_MARK):], "big")
-    if not end:
+        trailer = size - CRC_TRAILER_BYTES
+        expected = int.from_bytes(tail[len(CRC_MARK):], "big")
+    if not size or trailer == 0:
         raise NotACheckpointError(f"{where} holds no MindSpore values (an empty file)")
-    reader = _Reader(storage, name, where, end, crc=expected is not None)
+    reader = _Reader(storage, name, where, size, crc_end=trailer)
     out: list[Record] = []
-    while reader.pos < end:
+    while reader.pos < size and reader.pos != trailer:
         number, wire = reader.key()
         if number == 1 and wire == _LEN:
-            stop = reader.length(end) + reader.pos  # pos after the length
+            stop = reader.length(size) + reader.pos  # pos after the length
             out.append(_value(reader, stop))
         else:
-            reader.skip_field(wire, end)
-    if expected is not None and reader.crc != expected:
+            reader.skip_field(wire, size)
+    if reader.pos == trailer and reader.crc != expected:
         raise CorruptCheckpointError(
-            f"{where}: CRC-32 of bytes 0..{end} is {reader.crc:#010x}, its crc_num trailer says "
-            f"{expected:#010x}: the file is damaged")
+            f"{where}: CRC-32 of bytes 0..{trailer} is {reader.crc:#010x}, its crc_num trailer "
+            f"says {expected:#010x}: the file is damaged")
     return out
 
 
