@@ -11,7 +11,8 @@ Public API: :func:`save`, :func:`async_save`, :func:`load`,
 :class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`;
 :class:`CheckpointManager` (:mod:`dcp.manager`) for a training loop.
 MindSpore ``Tensor``/``Parameter`` leaves save and load like torch tensors
-(:mod:`dcp.core.mindspore_tensors`); :func:`mindspore_shard` describes a
+(:mod:`dcp.core.mindspore_tensors`); :func:`mindspore_shard`
+(:mod:`dcp.core.mindspore_layout`) describes a
 sharded MindSpore parameter's slice.
 """
 
@@ -24,7 +25,7 @@ from dcp.asynchronous.async_save import (
     async_save_counters,
 )
 from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
-from dcp.core.mindspore_tensors import mindspore_shard
+from dcp.core.mindspore_layout import mindspore_shard
 from dcp.core.tensors import TensorShard
 from dcp.errors import (
     CheckpointError,

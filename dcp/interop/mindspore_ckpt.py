@@ -87,8 +87,13 @@ from dcp.interop.parallel import (
     export_files,
     import_checkpoint,
 )
-from dcp.interop.safetensors_io import export_selection
-from dcp.interop.streaming import ExportResult, progress_bar, renamed, split_file
+from dcp.interop.streaming import (
+    ExportResult,
+    export_selection,
+    progress_bar,
+    renamed,
+    split_file,
+)
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import read_metadata
 

@@ -48,7 +48,6 @@ import re
 
 import torch
 
-from dcp.core import tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
     ChunkMeta,
@@ -67,7 +66,13 @@ from dcp.interop.parallel import (
     import_checkpoint,
 )
 from dcp.interop.remap import RemappedView, load_through
-from dcp.interop.streaming import ExportResult, progress_bar, renamed, split_file
+from dcp.interop.streaming import (
+    ExportResult,
+    export_selection,
+    progress_bar,
+    renamed,
+    split_file,
+)
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import LoadReport, load, read_metadata
 
@@ -382,32 +387,6 @@ def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
         shards[-1].append(fqn)
         size += nbytes
     return shards
-
-
-def _is_float(dtype: str) -> bool:
-    return tensors.torch_dtype(dtype).is_floating_point
-
-
-def export_selection(md: Metadata, prefix: str | None, dtype: str | torch.dtype | None,
-                      where: str
-                      ) -> tuple[dict[str, str], dict[str, str | None]]:
-    """The fqns exported, each with its name after stripping ``prefix``,
-    and the dtype each is cast to (floating-point tensors only; ``dtype`` a
-    name such as ``"bfloat16"`` or a ``torch.dtype``)."""
-    if isinstance(dtype, torch.dtype):
-        dtype = tensors.dtype_name(dtype, "export dtype")
-    if dtype is not None and (dtype not in DTYPE_ITEMSIZE or not _is_float(dtype)):
-        raise CheckpointError(f"export dtype {dtype!r} is not a floating-point dtype name "
-                              f"(such as 'bfloat16', 'float16', 'float32')")
-    selected = {f: f for f in md.tensors}
-    if prefix:
-        selected = {f: f[len(prefix):] for f in md.tensors if f.startswith(prefix)}
-        if not selected:
-            raise CheckpointError(f"{where} has no tensor whose fqn starts with {prefix!r}; its "
-                                  f"first ones: {', '.join(map(repr, list(md.tensors)[:5]))}")
-    casts = {f: (dtype if dtype is not None and _is_float(md.tensors[f].dtype) else None)
-             for f in selected}
-    return selected, casts
 
 
 def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,

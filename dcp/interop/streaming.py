@@ -89,6 +89,32 @@ def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
                 disable=not enabled, leave=False)
 
 
+def _is_float(dtype: str) -> bool:
+    return tensors.torch_dtype(dtype).is_floating_point
+
+
+def export_selection(md: Metadata, prefix: str | None, dtype: str | torch.dtype | None,
+                      where: str
+                      ) -> tuple[dict[str, str], dict[str, str | None]]:
+    """The fqns exported, each with its name after stripping ``prefix``,
+    and the dtype each is cast to (floating-point tensors only; ``dtype`` a
+    name such as ``"bfloat16"`` or a ``torch.dtype``)."""
+    if isinstance(dtype, torch.dtype):
+        dtype = tensors.dtype_name(dtype, "export dtype")
+    if dtype is not None and (dtype not in DTYPE_ITEMSIZE or not _is_float(dtype)):
+        raise CheckpointError(f"export dtype {dtype!r} is not a floating-point dtype name "
+                              f"(such as 'bfloat16', 'float16', 'float32')")
+    selected = {f: f for f in md.tensors}
+    if prefix:
+        selected = {f: f[len(prefix):] for f in md.tensors if f.startswith(prefix)}
+        if not selected:
+            raise CheckpointError(f"{where} has no tensor whose fqn starts with {prefix!r}; its "
+                                  f"first ones: {', '.join(map(repr, list(md.tensors)[:5]))}")
+    casts = {f: (dtype if dtype is not None and _is_float(md.tensors[f].dtype) else None)
+             for f in selected}
+    return selected, casts
+
+
 def renamed(fqns: Iterable[str], rename: dict[str, str] | None, where: str) -> dict[str, str]:
     """Map each fqn to its new name under ``rename`` (unlisted fqns keep
     theirs).
