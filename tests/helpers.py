@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from storage_plugins.posix import PosixStorage
@@ -170,3 +172,37 @@ class RecordingKinds:
             self.kinds.append({type(v[3]).__name__ for v, _ in parts
                                if isinstance(v, tuple) and len(v) == 4})
         return parts
+
+
+#: Whether MindSpore is installed (``make test`` installs the ``mindspore`` extra).
+HAVE_MINDSPORE = importlib.util.find_spec("mindspore") is not None
+needs_mindspore = pytest.mark.skipif(
+    not HAVE_MINDSPORE, reason="mindspore is not installed (pip install 'hyperdcp[mindspore]')")
+
+
+def raw_bytes(t) -> bytes:
+    """The raw row-major bytes of a torch or MindSpore tensor."""
+    if isinstance(t, torch.Tensor):
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.asnumpy().tobytes()
+
+
+def mindspore_scenario(world_size: int = 2, **kwargs):
+    """``dist_scenario(world_size, **kwargs)`` where MindSpore is installed;
+    without it a test that skips (and no scenario registered, so no group
+    runs it)."""
+    from dist_harness import dist_scenario
+
+    def deco(fn):
+        if HAVE_MINDSPORE:
+            return dist_scenario(world_size, **kwargs)(fn)
+
+        @needs_mindspore
+        def skipped():
+            pass
+
+        skipped.__name__ = skipped.__qualname__ = fn.__name__
+        skipped.__doc__ = fn.__doc__
+        return skipped
+
+    return deco

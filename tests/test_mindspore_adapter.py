@@ -21,7 +21,6 @@ for every rank of several layouts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -35,11 +34,8 @@ import pytest
 import torch
 
 import dcp
-from dist_harness import dist_scenario
+from helpers import mindspore_scenario, needs_mindspore, raw_bytes
 
-HAVE_MINDSPORE = importlib.util.find_spec("mindspore") is not None
-needs_mindspore = pytest.mark.skipif(
-    not HAVE_MINDSPORE, reason="mindspore is not installed (pip install 'hyperdcp[mindspore]')")
 TESTS = Path(__file__).resolve().parent
 
 #: the checks run in the MindSpore subprocess, by name
@@ -92,13 +88,6 @@ def mindspore_outcomes(tmp_path_factory):
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def _bytes(t) -> bytes:
-    """The raw bytes of a MindSpore or torch tensor."""
-    if isinstance(t, torch.Tensor):
-        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return t.asnumpy().tobytes()
 
 
 #: MindSpore dtype attribute -> checkpoint (torch) dtype name, every dtype both have
@@ -159,14 +148,14 @@ def test_every_shared_dtype_round_trips_bit_exact(tmp: Path):
     dcp.load({"ms": into_torch}, tmp / "ms")
     for attr, t in saved.items():
         assert into_ms[attr].dtype == t.dtype, attr
-        assert _bytes(into_ms[attr]) == _bytes(t), attr
-        assert _bytes(into_torch[attr]) == _bytes(t), attr
+        assert raw_bytes(into_ms[attr]) == raw_bytes(t), attr
+        assert raw_bytes(into_torch[attr]) == raw_bytes(t), attr
     # torch-saved, loaded into MindSpore Parameters of the same fqns
     from_torch = {attr: t.flip(0).contiguous() for attr, t in into_torch.items()}
     dcp.save({"ms": from_torch}, tmp / "torch")
     dcp.load({"ms": into_ms}, tmp / "torch")
     for attr, t in from_torch.items():
-        assert _bytes(into_ms[attr]) == _bytes(t) != _bytes(saved[attr]), attr
+        assert raw_bytes(into_ms[attr]) == raw_bytes(t) != raw_bytes(saved[attr]), attr
 
 
 @_in_mindspore
@@ -183,12 +172,12 @@ def test_float8_saves_bit_exact_and_refuses_to_be_loaded_into(tmp: Path):
         target = torch.zeros(8, dtype=getattr(torch, name))
         dcp.load({name: target}, tmp / "f8", strict=False)
         expected = torch.from_numpy(values).to(getattr(torch, name))
-        assert _bytes(target) == _bytes(t) == _bytes(expected), name
+        assert raw_bytes(target) == raw_bytes(t) == raw_bytes(expected), name
     target = ms.Tensor(np.zeros(8, np.float32), dtype=ms.float8_e4m3fn)
-    before = _bytes(target)
+    before = raw_bytes(target)
     with pytest.raises(dcp.UnsupportedDtypeError, match="'float8_e4m3fn'.*Float8E4M3FN"):
         dcp.load({"float8_e4m3fn": target}, tmp / "f8", strict=False)
-    assert _bytes(target) == before
+    assert raw_bytes(target) == before
 
 
 @_in_mindspore
@@ -307,7 +296,7 @@ def test_an_optimizer_saves_and_loads_its_own_state_in_place(tmp: Path):
         assert report.missing_keys == [] and report.unexpected_keys == []
         for k, p in opt2.parameters_dict().items():
             assert before[k] is p
-            assert _bytes(p) == _bytes(opt.parameters_dict()[k]), k
+            assert raw_bytes(p) == raw_bytes(opt.parameters_dict()[k]), k
         assert np.abs(opt2.parameters_dict()[f"{moment}.0.weight"].asnumpy()).sum() > 0
 
 
@@ -614,13 +603,7 @@ def _pieces(rank: int):
     return state, {"rows": rows, "cols": cols, "rep": rep}
 
 
-def _two_ranks(fn):
-    """A W=2 ``dist_scenario`` in a group of its own (phase 3: no other test's
-    ranks import MindSpore), or a skipped test without MindSpore."""
-    return dist_scenario(world_size=2, phase=3)(fn) if HAVE_MINDSPORE else needs_mindspore(fn)
-
-
-@_two_ranks
+@mindspore_scenario(2, phase=3)  # a group of its own: no other test's ranks import MindSpore
 def test_two_ranks_save_mindspore_shards_of_global_tensors(ctx):
     """Each rank saves its MindSpore TensorShards (from the layout helper);
     replicas are written once; the ranks load their shards back; rank 0
@@ -641,7 +624,7 @@ def test_two_ranks_save_mindspore_shards_of_global_tensors(ctx):
     fresh["step"] = 0
     dcp.load(fresh, path)
     for fqn in whole:
-        assert _bytes(fresh[fqn].data) == _bytes(state[fqn].data), (ctx.rank, fqn)
+        assert raw_bytes(fresh[fqn].data) == raw_bytes(state[fqn].data), (ctx.rank, fqn)
     assert fresh["step"] == 7
     solo = dist.new_group([0])
     error = [None]

@@ -22,7 +22,6 @@ import sys
 import time
 import tracemalloc
 import uuid
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -36,11 +35,10 @@ from dcp.interop import mindspore_ckpt as msc
 from dcp.interop.safetensors_io import checkpoint_to_safetensors, safetensors_to_checkpoint
 from dcp.tools.cli import main
 from dist_harness import dist_scenario
+from helpers import HAVE_MINDSPORE, needs_mindspore, raw_bytes
 from storage_plugins.posix import PosixStorage
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_mindspore = pytest.mark.skipif(find_spec("mindspore") is None,
-                                     reason="MindSpore is not installed")
 
 #: The MindSpore side: ``write DIR`` saves the reference files into DIR and
 #: dumps MindSpore's reading of them; ``read DIR FILE...`` dumps MindSpore's
@@ -142,15 +140,11 @@ def _mindspore(*args: str) -> None:
 @pytest.fixture(scope="module")
 def ms_files(tmp_path_factory) -> tuple[Path, dict]:
     """The reference files MindSpore wrote, and its reading of them."""
-    if find_spec("mindspore") is None:
-        pytest.skip("MindSpore is not installed")
+    if not HAVE_MINDSPORE:
+        pytest.skip("mindspore is not installed")
     d = tmp_path_factory.mktemp("mindspore")
     _mindspore("write", str(d))
     return d, json.loads((d / "mindspore.json").read_text())
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _ours(ckpt: str) -> dict:
@@ -161,7 +155,7 @@ def _ours(ckpt: str) -> dict:
                    for f, t in md.tensors.items()}
     state.update({f: None for f in md.objects})
     dcp.load(state, ckpt)
-    return {f: (v if f in md.objects else (list(v.shape), md.tensors[f].dtype, _bytes(v)))
+    return {f: (v if f in md.objects else (list(v.shape), md.tensors[f].dtype, raw_bytes(v)))
             for f, v in state.items()}
 
 
@@ -236,7 +230,7 @@ def test_dcp_load_of_the_import_gives_exact_torch_tensors(ms_files, tmp_path):
              "t_scalar": torch.zeros((), dtype=torch.float32)}
     dcp.load(state, str(tmp_path / "ckpt"), strict=False)
     for fqn, tensor in state.items():
-        assert _bytes(tensor) == base64.b64decode(ms["load"]["dtypes.ckpt"][fqn]["b64"]), fqn
+        assert raw_bytes(tensor) == base64.b64decode(ms["load"]["dtypes.ckpt"][fqn]["b64"]), fqn
     assert state["t_scalar"].item() == -2.5
 
 
@@ -248,7 +242,7 @@ def test_dcp_load_reads_the_ckpt_straight_through_the_view(ms_files):
              "small": torch.zeros(5, dtype=torch.int32)}
     dcp.load(state, str(d / "split.ckpt"), storage=view, verify="none")
     for fqn, tensor in state.items():
-        assert _bytes(tensor) == base64.b64decode(ms["load"]["split.ckpt"][fqn]["b64"]), fqn
+        assert raw_bytes(tensor) == base64.b64decode(ms["load"]["split.ckpt"][fqn]["b64"]), fqn
 
 
 # ---- writing files MindSpore reads --------------------------------------------
@@ -311,14 +305,14 @@ def test_cast_prefix_pieces_and_values_as_mindspore_reads_them(ms_files, exporte
             dtype = getattr(torch, msc.MINDSPORE_DTYPES[v["dtype"]])
             raw = bytearray(base64.b64decode(v["b64"]))
             want = torch.frombuffer(raw, dtype=dtype).reshape(v["shape"]).to(torch.bfloat16)
-            assert (got["dtype"], base64.b64decode(got["b64"])) == ("BFloat16", _bytes(want)), k
+            assert (got["dtype"], base64.b64decode(got["b64"])) == ("BFloat16", raw_bytes(want)), k
         else:
             assert got == v, k
     assert read[f"{out}/pieces.ckpt"] == source
     assert (out / "pieces.ckpt").stat().st_size > (out / "back-dtypes.ckpt").stat().st_size
     mixed = read[f"{out}/mixed.ckpt"]
     assert mixed["model.w"] == {"shape": [7, 13], "dtype": "Float32", "b64": base64.b64encode(
-        _bytes(torch.arange(91, dtype=torch.float32))).decode()}
+        raw_bytes(torch.arange(91, dtype=torch.float32))).decode()}
     assert mixed["model.e"] == {"shape": [0, 4], "dtype": "Int16", "b64": ""}
     assert mixed["model.s"] == {"shape": [], "dtype": "UInt8", "b64": "Aw=="}
     assert mixed["step"] == {"shape": [], "dtype": "Int64",
@@ -475,7 +469,7 @@ def test_packed_dims_and_unknown_fields_are_read(tmp_path):
     path = tmp_path / "packed.ckpt"
     path.write_bytes(b"\x0a" + bytes([len(value)]) + value + b"\x10\x01")
     msc.mindspore_ckpt_to_checkpoint(str(path), str(tmp_path / "out"))
-    assert _bytes(_read(tmp_path / "out", "t")) == content
+    assert raw_bytes(_read(tmp_path / "out", "t")) == content
     assert dcp.read_metadata(str(tmp_path / "out")).tensors["t"].shape == (2, 3)
 
 
@@ -726,7 +720,7 @@ def test_crc_num_bytes_ending_the_last_tensor_are_its_bytes_not_a_trailer(tmp_pa
         if not crc_check:
             assert path.read_bytes()[-17:] == content[2:]  # what a trailer looks like
         msc.mindspore_ckpt_to_checkpoint(str(path), str(tmp_path / f"back-{crc_check}"))
-        assert _bytes(_read(tmp_path / f"back-{crc_check}", "t")) == content
+        assert raw_bytes(_read(tmp_path / f"back-{crc_check}", "t")) == content
     path = tmp_path / "crc-True.ckpt"  # a real trailer is still checked
     raw = bytearray(path.read_bytes())
     raw[-20] ^= 1

@@ -23,22 +23,17 @@ runs on 2 gloo ranks with ``fc1`` column-wise and ``fc2`` row-wise parallel
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 import mindspore_side as side
-from dist_harness import dist_scenario
-from helpers import assert_bitwise_equal, make_dtensor
+from helpers import assert_bitwise_equal, make_dtensor, mindspore_scenario
 
-HAVE_MINDSPORE = importlib.util.find_spec("mindspore") is not None
-SKIP_REASON = "mindspore is not installed (pip install 'hyperdcp[mindspore]')"
 SIDE_SCRIPT = Path(__file__).with_name("mindspore_side.py")
 
 # Tolerance between the frameworks' next steps.  Both start from bit-identical
@@ -59,20 +54,6 @@ RTOL = 1e-5
 def _close(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     scale = float(np.abs(expected).max(initial=0.0))
     np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=RTOL * scale, err_msg=what)
-
-
-def _scenario(fn):
-    """A W=2 ``dist_scenario``, or a test that skips when MindSpore is absent
-    (the scenario is then not registered, so no group runs it)."""
-    if HAVE_MINDSPORE:
-        return dist_scenario(world_size=2)(fn)
-
-    def skipped():
-        pytest.skip(SKIP_REASON)
-
-    skipped.__name__ = skipped.__qualname__ = fn.__name__
-    skipped.__doc__ = fn.__doc__
-    return skipped
 
 
 def _on_rank0(ctx, fn) -> None:
@@ -178,7 +159,7 @@ def _assert_state_matches(model, optim, values, *, exact: bool, what: str) -> No
                 _close(local.numpy(), expected.numpy(), f"{what} {fqn}")
 
 
-@_scenario
+@mindspore_scenario(2)
 def test_mindspore_checkpoint_resumes_under_torch_tp(ctx):
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -216,7 +197,7 @@ def test_mindspore_checkpoint_resumes_under_torch_tp(ctx):
     _assert_state_matches(model, optim, after, exact=False, what="after the next step:")
 
 
-@_scenario
+@mindspore_scenario(2)
 def test_torch_tp_checkpoint_resumes_in_mindspore(ctx):
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
