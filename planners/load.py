@@ -16,8 +16,10 @@ and reaches the other members by the cheapest path (``replica_path``):
   ranks (POSIX, network filesystems: the page cache;
   :attr:`~dcp.core.read_cost.ReadCost.shared_cache`): on each host one
   member pulls the region from storage and every other member reads it
-  itself, from the page cache — one storage read per host and one memory
-  copy per rank, nothing passed between ranks.
+  itself, from the page cache, taking what has arrived while its own pulls
+  are in flight (:meth:`~dcp.core.storage.StoragePlugin.read_cached`) — one
+  storage read per host and one memory copy per rank, nothing passed
+  between ranks.
 * ``shared_memory`` — nothing is shared (object stores): one member reads,
   passes the bytes to the members of its host through host shared memory
   (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the

@@ -39,7 +39,10 @@ chunks in a few calls instead of one per row).  A chunk a rank needs only a
 part of, and whose gaps are cheap, is not read into a buffer at all: the
 load maps the file (:meth:`mapped`) and copies the part it needs straight
 from the page cache into its target, so the ranks of a host that share a
-chunk each pay one memory copy of their own part.
+chunk each pay one memory copy of their own part.  A region another rank of
+the host pulls is taken from the page cache as it arrives (:meth:`read_cached`:
+``preadv2`` with ``RWF_NOWAIT``, which returns what is cached and never
+waits for the device), while the rank's own reads are in flight.
 
 Commit is the classic atomic publish: temporary file, ``fsync``,
 ``rename`` (or ``link`` when the name must not exist yet), then ``fsync``
@@ -104,6 +107,9 @@ class PosixStorage(StoragePlugin):
         self.alignment = DIRECT_ALIGNMENT if self.direct_io else 1
         self.read_cost = ReadCost(latency_s=1e-4, bandwidth_bps=2e9, concurrency=1,
                                   max_request_bytes=64 << 20, shared_cache=True)
+        #: reads from the page cache alone (:meth:`read_cached`): Linux's
+        #: ``RWF_NOWAIT``, off where the filesystem refuses it
+        self._nowait = hasattr(os, "RWF_NOWAIT")
 
     def _path(self, name: str) -> Path:
         return self.root / name
@@ -183,6 +189,37 @@ class PosixStorage(StoragePlugin):
                 _preadv_all(fd, [memoryview(v).cast("B") for v in views], offset, path)
         finally:
             os.close(fd)
+
+    def read_cached(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        if not self._nowait:
+            return [0] * len(ranges)
+        fd = os.open(self._path(name), os.O_RDONLY)
+        try:
+            return [self._pread_cached(fd, memoryview(buf).cast("B"), offset)
+                    for offset, buf in ranges]
+        finally:
+            os.close(fd)
+
+    def _pread_cached(self, fd: int, view: memoryview, offset: int) -> int:
+        """The leading bytes of ``view`` filled from the page cache at
+        ``offset`` (``preadv2`` with ``RWF_NOWAIT``: a page not cached ends
+        the read instead of waiting for the device).  A filesystem that
+        refuses the flag turns these reads off for the plugin."""
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done, os.RWF_NOWAIT)
+            except BlockingIOError:  # the next page is not in the page cache
+                break
+            except OSError as e:
+                if e.errno not in _REFUSED:
+                    raise
+                self._nowait = False
+                break
+            if n == 0:  # end of file: the blocking read reports the truncation
+                break
+            done += n
+        return done
 
     @contextlib.contextmanager
     def mapped(self, name: str) -> Iterator[memoryview | None]:

@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import time
 from collections import Counter
 
 import pytest
@@ -147,6 +149,90 @@ def test_two_hosts_posix_take_the_page_cache_once_per_host(ctx):
     cached = _gather(report.bytes_from_cache)
     assert sum(cached) == sum(n for _, way, n in report.paths if way == "page_cache")
     assert all(c > 0 for c in cached), cached
+
+
+class _LooksForSmallRegions(PosixStorage):
+    """POSIX whose read cost makes regions of 200 bytes and more worth
+    looking for in the page cache (the tests' regions are small)."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.read_cost = dataclasses.replace(self.read_cost, latency_s=1e-7)
+
+
+class _TrickleCache(_LooksForSmallRegions):
+    """The page cache as a rank sees it while other ranks pull a file in:
+    each look gives at most ``piece`` more bytes of a region.  Its own
+    reads take a while (``delay`` seconds a call), so the load looks many
+    times before they end."""
+
+    def __init__(self, path, piece, delay):
+        super().__init__(path)
+        self.piece, self.delay = piece, delay
+
+    def read_cached(self, name, ranges):
+        return [super(_TrickleCache, self).read_cached(name, [(o, b[:self.piece])])[0]
+                for o, b in ranges]
+
+    def read_requests(self, name, requests):
+        time.sleep(self.delay)
+        super().read_requests(name, requests)
+
+
+class _CacheFails(_LooksForSmallRegions):
+    def __init__(self, path, fail_rank):
+        super().__init__(path)
+        self.fail = dist.get_rank() == fail_rank
+
+    def read_cached(self, name, ranges):
+        if self.fail:
+            raise OSError(5, "injected EIO in a page-cache read", name)
+        return super().read_cached(name, ranges)
+
+    def read_requests(self, name, requests):
+        time.sleep(0.05)  # own reads in flight while the cache is looked at
+        super().read_requests(name, requests)
+
+
+@dist_scenario(world_size=2)
+def test_regions_other_ranks_pull_are_copied_from_the_page_cache_as_they_arrive(ctx):
+    """Replicated tensors on one host: each rank pulls half of them from
+    storage and copies the other half out of the page cache while its own
+    reads are in flight, in as many pieces as the cache gives (pieces that
+    cut elements in two); a region too small to look for (the scalar) is
+    read once its own reads are done."""
+    g = torch.Generator().manual_seed(5)
+    full = {"f32": torch.randn(96, 40, generator=g),
+            "f32b": torch.randn(80, 48, generator=g),
+            "bf16": torch.randn(33, 70, generator=g).to(torch.bfloat16),
+            "f8": torch.randn(50, 90, generator=g).to(torch.float8_e4m3fn),
+            "i64": torch.randint(-2**40, 2**40, (70, 30), generator=g),
+            "bool": torch.rand(41, 50, generator=g) > 0.5,
+            "scalar": torch.tensor(4.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 6)}
+    ckpt = str(ctx.dir / "ckpt")
+    md = dcp.save(full, ckpt)
+    for piece in (999, 1 << 30):  # trickling in, cutting elements; all there at the first look
+        target = {k: torch.zeros_like(v) for k, v in full.items()}
+        report = dcp.load(target, ckpt, storage=_TrickleCache(ckpt, piece, delay=0.2))
+        for k, v in full.items():
+            assert_bitwise_equal(target[k], v, k)
+        # every byte once: from storage by one rank, from the cache by the other
+        assert sum(_gather(report.bytes_read)) == md.stored_bytes
+        cached = sum(n for _, way, n in report.paths if way == "page_cache")
+        assert sum(_gather(report.bytes_from_cache)) == cached > 0
+        # each rank pulls about half of the bytes and takes the rest from the cache
+        taken = _gather((report.bytes_from_cache, report.cache_requests))
+        assert all(nbytes > 10_000 for nbytes, _ in taken), taken
+        if piece == 999:  # taken while its own reads ran: 999 bytes a look at most
+            assert all(n >= -(-nbytes // 999) for nbytes, n in taken), taken
+    # a page-cache read failing on one rank fails the load on both, naming it
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"failed on rank 1.*reading chunk.*injected EIO in a page-cache"):
+        dcp.load(target, ckpt, storage=_CacheFails(ckpt, 1))
+    ctx.barrier()
+    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
 
 
 @dist_scenario(world_size=4)

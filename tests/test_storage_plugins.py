@@ -318,3 +318,66 @@ def test_replace_renames_over_the_old_file_where_the_plugin_can(uri, tmp_path):
     memory.write_file("f.tmp", [b"new"])
     with pytest.raises(NotImplementedError, match="cannot replace a file atomically"):
         memory.replace("f.tmp", "f")
+
+
+def _mount_type(path: Path) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, point, fstype, *_ = line.split()
+        if str(path.resolve()).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def test_posix_reads_from_the_page_cache_alone_without_waiting(tmp_path):
+    """``read_cached``: what the page cache holds, byte-exact, and nothing
+    of what it does not (an evicted file gives 0 bytes where eviction works:
+    not on tmpfs, whose pages are the file)."""
+    storage = open_storage(str(tmp_path))
+    data = random.Random(3).randbytes(1 << 20)
+    storage.write_file("f.data", [data])
+    fd = os.open(tmp_path / "f.data", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    bufs = [memoryview(bytearray(4096)), memoryview(bytearray(70_000)),
+            memoryview(bytearray(100))]
+    offsets = [0, 300_001, len(data) - 50]  # the last one runs past the end of the file
+    cold = storage.read_cached("f.data", list(zip(offsets, bufs, strict=True)))
+    if _mount_type(tmp_path) not in ("tmpfs", "ramfs"):
+        assert cold[:2] == [0, 0], cold
+    storage.read_ranges("f.data", [(0, memoryview(bytearray(len(data))))])  # now cached
+    for b in bufs:
+        b[:] = bytes(len(b))
+    warm = storage.read_cached("f.data", list(zip(offsets, bufs, strict=True)))
+    assert warm == [4096, 70_000, 50]
+    for offset, buf, n in zip(offsets, bufs, warm, strict=True):
+        assert bytes(buf[:n]) == data[offset:offset + n]
+    assert bytes(bufs[2][50:]) == bytes(50)
+    # the default of a plugin without such reads: nothing filled
+    memory = open_storage(f"memory://cached-{uuid.uuid4().hex}")
+    memory.write_file("f", [b"abc"])
+    assert memory.read_cached("f", [(0, memoryview(bytearray(3)))]) == [0]
+
+
+def test_posix_turns_cache_only_reads_off_where_the_filesystem_refuses_them(tmp_path, monkeypatch):
+    storage = open_storage(str(tmp_path))
+    storage.write_file("f.data", [b"x" * 8192])
+    preadv = os.preadv
+    refused = []
+
+    def refusing(fd, buffers, offset, flags=0):
+        if flags & os.RWF_NOWAIT:
+            refused.append(offset)
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return preadv(fd, buffers, offset, flags)
+    monkeypatch.setattr(os, "preadv", refusing)
+    buf = memoryview(bytearray(8192))
+    assert storage.read_cached("f.data", [(0, buf)]) == [0]
+    assert storage.read_cached("f.data", [(0, buf)]) == [0]
+    assert refused == [0]  # off after the first refusal
+    storage.read_ranges("f.data", [(0, buf)])
+    assert bytes(buf) == b"x" * 8192

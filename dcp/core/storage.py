@@ -147,6 +147,20 @@ class StoragePlugin(abc.ABC):
         file is missing."""
         yield None
 
+    def read_cached(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        """Fill what of each buffer the host's shared cache of ``name``
+        holds now, without waiting on storage (``(offset, buffer)`` pairs as
+        for :meth:`read_ranges`); returns, per buffer, how many of its
+        leading bytes were filled: 0 where its first byte is not cached.
+
+        A load calls it for the regions another rank of the host pulls into
+        the cache (:attr:`~dcp.core.read_cost.ReadCost.shared_cache`), so
+        that it copies what has arrived while its own reads wait on storage,
+        instead of after them.  Optional: the default fills nothing, and the
+        load reads those regions once its own reads are done.
+        """
+        return [0] * len(ranges)
+
     @abc.abstractmethod
     def read_file(self, name: str) -> bytes:
         """The whole file ``name``; ``FileNotFoundError`` if there is none."""

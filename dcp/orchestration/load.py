@@ -12,8 +12,10 @@ Phases (each a collective step, so a failure on any rank raises on all):
    intersections, coalesced into few large requests by the storage's read
    cost (:mod:`dcp.core.read_plan`) — straight into the target tensor when
    its memory layout allows, else into a host buffer (or a whole chunk's)
-   that is then copied (and cast, if allowed) into the target — and passes
-   what it read to the others while it reads on: through host shared memory
+   that is then copied (and cast, if allowed) into the target; copies the
+   regions other ranks of its host pull into the page cache out of it as
+   they arrive, while its own reads are in flight; and passes what it read
+   to the others while it reads on: through host shared memory
    to ranks of its own host (:mod:`dcp.coordination.host_exchange`), by
    ``torch.distributed`` broadcast to the rest
    (:mod:`dcp.coordination.broadcast`).
@@ -38,7 +40,7 @@ import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,9 @@ from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration import pending, targets
 from dcp.orchestration.gc_pause import gc_paused
+
+#: seconds between two looks at the page cache for bytes other ranks pull
+_ARRIVAL_POLL_S = 0.002
 
 
 @dataclass
@@ -85,7 +90,8 @@ class LoadReport:
     ``requests``: the storage requests it made for them.
     ``bytes_from_cache``: bytes it read after another rank of its host had
     pulled them into the storage's shared cache (the page cache path: a
-    memory copy, not a storage read), in ``cache_requests`` requests.
+    memory copy, not a storage read), in ``cache_requests`` reads (each
+    piece taken as it arrived counts one).
     ``paths``: per replica group (its ranks), the path its regions took and
     the bytes moved that way — ``"storage"`` (read from storage),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
@@ -206,6 +212,13 @@ class _Load:
         keep = {i for t in sourced if not t.whole_chunk for i in t.items}
         self.whole = {i for t in sourced if t.whole_chunk for i in t.items}
         self.forced = {(i.fqn, i.chunk) for i in self.whole}
+        # regions another rank of the host pulls into the page cache that
+        # can be copied from it as they arrive (one byte run into the
+        # target's own memory, worth a request of its own), while this
+        # rank's own reads are in flight
+        runs = {i: run for i in dict.fromkeys(plan.cached)
+                if plan.items and (run := self._cache_run(i)) is not None}
+        later = [i for i in plan.cached if i not in runs]
         with ThreadPoolExecutor(self._read_threads(plan)) as pool:
             # reads feeding transfers first, in the order the transfers run,
             # one read call per transfer and file; then the rank's own
@@ -214,16 +227,87 @@ class _Load:
             reads: dict[ReadItem, tuple[Future, int]] = {}
             futures = []
             batches = [(t.items, False) for t in sourced]
-            for items, cached in [*batches, (plan.items, False), (plan.cached, True)]:
+            for items, cached in [*batches, (plan.items, False), (later, True)]:
                 todo = [i for i in dict.fromkeys(items) if i not in reads]
                 for name, group in self._by_file(todo).items():
                     futures.append(pool.submit(self._read_file, name, group, cached, keep))
                     reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
             if plan.transfers:
                 self._run_transfers(plan, reads)
+            if runs:
+                self._read_arriving(runs, futures)
             for future in futures:
                 future.result()
         self._load_objects()
+
+    def _cache_run(self, item: ReadItem) -> tuple[int, memoryview] | None:
+        """``(file offset, target bytes)`` of a region that is one byte run
+        of its chunk and lands in its target's own memory as stored, else
+        ``None``; ``None`` too for a region smaller than a request's worth
+        of bytes (:attr:`~dcp.core.read_cost.ReadCost.hole_bytes`): looking
+        for it in the cache again and again costs more than it overlaps."""
+        if item.nbytes < max(1, self.storage.read_cost.hole_bytes):
+            return None
+        saved = self.metadata.tensors[item.fqn]
+        chunk = saved.chunks[item.chunk]
+        dest = self._target_region(item)
+        if not tensors.is_direct_target(dest, saved.dtype):
+            return None
+        rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+        extent = run_extent(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype])
+        if extent is None or extent[1] - extent[0] != item.nbytes:
+            return None
+        return chunk.byte_offset + extent[0], tensors.byte_view(dest)
+
+    def _read_arriving(self, runs: dict[ReadItem, tuple[int, memoryview]],
+                       own: list[Future]) -> None:
+        """Copy regions other ranks of the host pull into the page cache
+        (``runs``: each one's byte run, see :meth:`_cache_run`) into their
+        targets as their bytes arrive there, while this rank's own reads
+        ``own`` are in flight; then read what is left, waiting for it.
+
+        Reading one's own share first and copying the others' after it
+        leaves the cores idle while the device reads and the device idle
+        while they copy; taking what has arrived
+        (:meth:`~dcp.core.storage.StoragePlugin.read_cached`) between waits
+        overlaps the two.  Measured at W=4 on one 2-core host, a replicated
+        512 MiB load: 0.54 s against 0.62 s, 0.62 s against 0.76 s (medians
+        of 8, alternating in one run)."""
+        left = {name: [(item, *runs[item]) for item in group]
+                for name, group in self._by_file(list(runs)).items()}
+        while left and not all(f.done() for f in own):
+            arrived = 0
+            for name in list(left):
+                try:
+                    filled = self.storage.read_cached(name, [(o, v) for _, o, v in left[name]])
+                except Exception as e:
+                    item = left[name][0][0]
+                    raise self._read_error(
+                        item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk], e) from e
+                pending = []
+                for (item, offset, view), n in zip(left[name], filled, strict=True):
+                    arrived += n
+                    if n:
+                        with self.lock:
+                            self.counts[True][0] += n
+                            self.counts[True][1] += 1
+                    if n < len(view):
+                        pending.append((item, offset + n, view[n:]))
+                left[name] = pending
+                if not pending:
+                    del left[name]
+            if not arrived:  # nothing new: wait a little, or until the own reads end
+                wait(own, timeout=_ARRIVAL_POLL_S, return_when=ALL_COMPLETED)
+        for name, rest in left.items():
+            try:
+                self.storage.read_requests(name, [(offset, [view]) for _, offset, view in rest])
+            except Exception as e:
+                item = rest[0][0]
+                raise self._read_error(
+                    item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk], e) from e
+            with self.lock:
+                self.counts[True][0] += sum(len(v) for _, _, v in rest)
+                self.counts[True][1] += len(rest)
 
     def _read_threads(self, plan: LoadPlan) -> int:
         """Files read at once: the plugin's ``thread_count``; from a cache the
