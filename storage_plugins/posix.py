@@ -41,8 +41,9 @@ load maps the file (:meth:`mapped`) and copies the part it needs straight
 from the page cache into its target, so the ranks of a host that share a
 chunk each pay one memory copy of their own part.  A region another rank of
 the host pulls is taken from the page cache as it arrives (:meth:`read_cached`:
-``preadv2`` with ``RWF_NOWAIT``, which returns what is cached and never
-waits for the device), while the rank's own reads are in flight.
+``mincore`` says which pages are cached without starting any read, and
+``preadv2`` with ``RWF_NOWAIT`` copies them), while the rank's own reads
+are in flight.
 
 Commit is the classic atomic publish: temporary file, ``fsync``,
 ``rename`` (or ``link`` when the name must not exist yet), then ``fsync``
@@ -107,8 +108,8 @@ class PosixStorage(StoragePlugin):
         self.alignment = DIRECT_ALIGNMENT if self.direct_io else 1
         self.read_cost = ReadCost(latency_s=1e-4, bandwidth_bps=2e9, concurrency=1,
                                   max_request_bytes=64 << 20, shared_cache=True)
-        #: reads from the page cache alone (:meth:`read_cached`): Linux's
-        #: ``RWF_NOWAIT``, off where the filesystem refuses it
+        #: reads from the page cache alone (:meth:`read_cached`: Linux's
+        #: ``mincore`` and ``RWF_NOWAIT``), off where the system refuses them
         self._nowait = hasattr(os, "RWF_NOWAIT")
 
     def _path(self, name: str) -> Path:
@@ -195,26 +196,38 @@ class PosixStorage(StoragePlugin):
             return [0] * len(ranges)
         fd = os.open(self._path(name), os.O_RDONLY)
         try:
-            return [self._pread_cached(fd, memoryview(buf).cast("B"), offset)
-                    for offset, buf in ranges]
+            size = os.fstat(fd).st_size
+            if not size:
+                return [0] * len(ranges)
+            # mapped only to ask the kernel which pages it holds: none is touched
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            try:
+                filled = []
+                for offset, buf in ranges:
+                    view = memoryview(buf).cast("B")
+                    n = _resident_bytes(mapping, offset, len(view))
+                    filled.append(self._pread_cached(fd, view[:n], offset) if n else 0)
+                return filled
+            finally:
+                mapping.close()
+        except OSError as e:
+            if e.errno not in (*_REFUSED, errno.ENOSYS, errno.ENODEV):
+                raise
+            self._nowait = False
+            return [0] * len(ranges)
         finally:
             os.close(fd)
 
     def _pread_cached(self, fd: int, view: memoryview, offset: int) -> int:
         """The leading bytes of ``view`` filled from the page cache at
-        ``offset`` (``preadv2`` with ``RWF_NOWAIT``: a page not cached ends
-        the read instead of waiting for the device).  A filesystem that
-        refuses the flag turns these reads off for the plugin."""
+        ``offset``, never waiting for the device (``preadv2`` with
+        ``RWF_NOWAIT``; the pages were found cached, and one evicted since
+        ends the read)."""
         done = 0
         while done < len(view):
             try:
                 n = os.preadv(fd, [view[done:]], offset + done, os.RWF_NOWAIT)
-            except BlockingIOError:  # the next page is not in the page cache
-                break
-            except OSError as e:
-                if e.errno not in _REFUSED:
-                    raise
-                self._nowait = False
+            except BlockingIOError:  # evicted since it was found cached
                 break
             if n == 0:  # end of file: the blocking read reports the truncation
                 break
@@ -305,6 +318,37 @@ class PosixStorage(StoragePlugin):
                 continue
             stats[name] = (st.st_size, st.st_mtime)
         return stats
+
+
+_libc = ctypes.CDLL(None, use_errno=True)  # the C library the process runs on
+_mincore = getattr(_libc, "mincore", None)
+
+
+def _resident_bytes(mapping: mmap.mmap, offset: int, length: int) -> int:
+    """How many of the ``length`` bytes from ``offset`` of a mapped file lie
+    in pages the page cache holds, read up to date (``mincore``, which asks
+    without touching a page: a read that merely tried would start the
+    device reading what is missing).  Raises ``OSError(ENOSYS)`` where
+    there is no ``mincore``."""
+    length = max(0, min(length, len(mapping) - offset))
+    if not length:
+        return 0
+    if _mincore is None:
+        raise OSError(errno.ENOSYS, "mincore is not available")
+    page = mmap.PAGESIZE
+    first, last = offset // page, (offset + length - 1) // page
+    pages = (ctypes.c_ubyte * (last - first + 1))()
+    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address
+    try:
+        if _mincore(ctypes.c_void_p(ctypes.addressof(anchor) + first * page),
+                    ctypes.c_size_t(len(pages) * page), pages):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del anchor
+    gone = bytes(pages).find(0)  # the first page not held (flags are 0 or 1)
+    gone = len(pages) if gone < 0 else gone
+    return max(0, min(offset + length, (first + gone) * page) - offset)
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int, path: Path) -> None:

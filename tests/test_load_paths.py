@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
+import re
 import time
 from collections import Counter
 
@@ -179,6 +181,23 @@ class _TrickleCache(_LooksForSmallRegions):
         super().read_requests(name, requests)
 
 
+class _NothingArrives(_LooksForSmallRegions):
+    """A page cache that never has the bytes yet, requests of at most
+    ``max_request_bytes``; records the size of every request."""
+
+    def __init__(self, path, max_request_bytes):
+        super().__init__(path)
+        self.read_cost = dataclasses.replace(self.read_cost, max_request_bytes=max_request_bytes)
+        self.sizes = []
+
+    def read_cached(self, name, ranges):
+        return [0] * len(ranges)
+
+    def read_requests(self, name, requests):
+        self.sizes += [sum(len(v) for v in views) for _, views in requests]
+        super().read_requests(name, requests)
+
+
 class _CacheFails(_LooksForSmallRegions):
     def __init__(self, path, fail_rank):
         super().__init__(path)
@@ -226,6 +245,14 @@ def test_regions_other_ranks_pull_are_copied_from_the_page_cache_as_they_arrive(
         assert all(nbytes > 10_000 for nbytes, _ in taken), taken
         if piece == 999:  # taken while its own reads ran: 999 bytes a look at most
             assert all(n >= -(-nbytes // 999) for nbytes, n in taken), taken
+    # what is left when the own reads end is read in requests capped as the
+    # read cost says (here nothing ever arrives: every byte is left)
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    capped = _NothingArrives(ckpt, max_request_bytes=4096)
+    report = dcp.load(target, ckpt, storage=capped)
+    for k, v in full.items():
+        assert_bitwise_equal(target[k], v, k)
+    assert report.bytes_from_cache > 10_000 and max(capped.sizes) <= 4096, capped.sizes
     # a page-cache read failing on one rank fails the load on both, naming it
     target = {k: torch.zeros_like(v) for k, v in full.items()}
     with pytest.raises(dcp.CheckpointError,
@@ -233,6 +260,22 @@ def test_regions_other_ranks_pull_are_copied_from_the_page_cache_as_they_arrive(
         dcp.load(target, ckpt, storage=_CacheFails(ckpt, 1))
     ctx.barrier()
     assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    # a data file cut short inside the last of its tensors: every rank names that one
+    cut = str(ctx.dir / "cut")
+    md = dcp.save(full, cut, storage=PosixStorage(cut, thread_count=1))  # one file a rank
+    ctx.barrier()
+    file, end, last = max((c.file, c.byte_offset + c.nbytes, fqn)
+                          for fqn, t in md.tensors.items() for c in t.chunks)
+    held = [f for f, t in md.tensors.items() for c in t.chunks if c.file == file]
+    assert len(held) > 1, held
+    if ctx.rank == 0:
+        os.truncate(os.path.join(cut, file), end - 100)
+    ctx.barrier()
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, cut, storage=_LooksForSmallRegions(cut))
+    named = set(re.findall(r"'(\w+)': reading chunk", str(caught.value)))
+    assert named == {last}, (str(caught.value), held)
 
 
 @dist_scenario(world_size=4)
@@ -287,6 +330,37 @@ def test_a_chunk_read_whole_by_a_host_is_checked_once_and_fails_everywhere(ctx):
     # unchecked, the bytes load: each rank copies only its own columns
     report = dcp.load(target, str(ckpt), verify="none")
     assert report.requests == len(md.tensors) * 4  # one mapped chunk each
+
+
+@dist_scenario(world_size=4)
+def test_a_chunk_a_rank_checks_is_read_whole_though_the_page_cache_has_its_part(ctx):
+    """DP2 x TP2 targets of a replicated checkpoint: each DP replica of a TP
+    shard is a region of the chunk that one rank pulls and the other could
+    take from the page cache; the rank that checks the chunk for its host
+    reads it whole instead.  A flipped byte fails the load on every rank."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(5, 22500, generator=g)  # a TP shard of 180-270 KB: worth a look of its own
+    p = torch.randn(256, 256, generator=g)
+    ckpt = ctx.dir / "ckpt-dp-tp"
+    md = dcp.save({"w": w, "p": p}, str(ckpt))
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    target = {"w": distribute_tensor(torch.zeros_like(w), mesh2, [Replicate(), Shard(0)])}
+    if ctx.rank == 0:  # rank 0 reads more of its own: the other DP replica pulls the shard
+        target["p"] = torch.zeros_like(p)
+    dcp.load(target, str(ckpt))
+    assert_dtensor_equals_full(target["w"], w, "w")
+    ctx.barrier()
+    if ctx.rank == 0:
+        chunk = md.tensors["w"].chunks[0]
+        with open(ckpt / chunk.file, "r+b") as f:  # a byte of the first TP shard
+            f.seek(chunk.byte_offset + 100)
+            byte = f.read(1)
+            f.seek(chunk.byte_offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    ctx.barrier()
+    for verify in ("chunks", "all"):
+        with pytest.raises(dcp.CorruptCheckpointError, match=r"'w': checksum mismatch"):
+            dcp.load(target, str(ckpt), verify=verify)
 
 
 class _FailingPosix(PosixStorage):

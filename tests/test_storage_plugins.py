@@ -13,6 +13,7 @@ import os
 import random
 import re
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -349,6 +350,17 @@ def test_posix_reads_from_the_page_cache_alone_without_waiting(tmp_path):
     cold = storage.read_cached("f.data", list(zip(offsets, bufs, strict=True)))
     if _mount_type(tmp_path) not in ("tmpfs", "ramfs"):
         assert cold[:2] == [0, 0], cold
+    if _mount_type(tmp_path) not in ("tmpfs", "ramfs"):
+        # looking never starts the device reading: the file is still not cached
+        for _ in range(5):
+            assert storage.read_cached("f.data", [(0, memoryview(bytearray(len(data))))]) == [0]
+        time.sleep(0.2)
+        fd = os.open(tmp_path / "f.data", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+        finally:
+            os.close(fd)
     storage.read_ranges("f.data", [(0, memoryview(bytearray(len(data))))])  # now cached
     for b in bufs:
         b[:] = bytes(len(b))

@@ -149,9 +149,10 @@ class StoragePlugin(abc.ABC):
 
     def read_cached(self, name: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
         """Fill what of each buffer the host's shared cache of ``name``
-        holds now, without waiting on storage (``(offset, buffer)`` pairs as
-        for :meth:`read_ranges`); returns, per buffer, how many of its
-        leading bytes were filled: 0 where its first byte is not cached.
+        holds now, without waiting on storage and without starting a read
+        of what it lacks (``(offset, buffer)`` pairs as for
+        :meth:`read_ranges`); returns, per buffer, how many of its leading
+        bytes were filled: 0 where its first byte is not cached.
 
         A load calls it for the regions another rank of the host pulls into
         the cache (:attr:`~dcp.core.read_cost.ReadCost.shared_cache`), so
@@ -231,6 +232,11 @@ class StoragePlugin(abc.ABC):
         if magic != _EXCHANGE_MAGIC or length != len(payload) or crc != checksum(payload):
             return None
         return payload
+
+
+def can_read_cached(storage: StoragePlugin) -> bool:
+    """Whether ``storage`` implements :meth:`StoragePlugin.read_cached`."""
+    return type(storage).read_cached is not StoragePlugin.read_cached
 
 
 def can_replace(storage: StoragePlugin) -> bool:

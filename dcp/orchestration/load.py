@@ -53,7 +53,7 @@ from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
 from dcp.core.state_dict import Leaf, flatten, shaped_like
-from dcp.core.storage import StoragePlugin, open_storage
+from dcp.core.storage import StoragePlugin, can_read_cached, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration import pending, targets
 from dcp.orchestration.gc_pause import gc_paused
@@ -217,7 +217,8 @@ class _Load:
         # target's own memory, worth a request of its own), while this
         # rank's own reads are in flight
         runs = {i: run for i in dict.fromkeys(plan.cached)
-                if plan.items and (run := self._cache_run(i)) is not None}
+                if plan.items and can_read_cached(self.storage)
+                and (run := self._cache_run(i)) is not None}
         later = [i for i in plan.cached if i not in runs]
         with ThreadPoolExecutor(self._read_threads(plan)) as pool:
             # reads feeding transfers first, in the order the transfers run,
@@ -235,7 +236,7 @@ class _Load:
             if plan.transfers:
                 self._run_transfers(plan, reads)
             if runs:
-                self._read_arriving(runs, futures)
+                futures += self._read_arriving(runs, futures, pool)
             for future in futures:
                 future.result()
         self._load_objects()
@@ -250,6 +251,11 @@ class _Load:
             return None
         saved = self.metadata.tensors[item.fqn]
         chunk = saved.chunks[item.chunk]
+        key = (item.fqn, item.chunk)
+        if key in self.forced or (self.verify != "none" and (
+                key in self.checks if self.checks is not None
+                else self._whole_chunk(item.fqn, item.chunk, [item]))):
+            return None  # this rank reads the chunk whole and checks it (see _sinks)
         dest = self._target_region(item)
         if not tensors.is_direct_target(dest, saved.dtype):
             return None
@@ -260,11 +266,12 @@ class _Load:
         return chunk.byte_offset + extent[0], tensors.byte_view(dest)
 
     def _read_arriving(self, runs: dict[ReadItem, tuple[int, memoryview]],
-                       own: list[Future]) -> None:
+                       own: list[Future], pool: ThreadPoolExecutor) -> list[Future]:
         """Copy regions other ranks of the host pull into the page cache
         (``runs``: each one's byte run, see :meth:`_cache_run`) into their
         targets as their bytes arrive there, while this rank's own reads
-        ``own`` are in flight; then read what is left, waiting for it.
+        ``own`` are in flight; then hand what is left to ``pool``, as
+        coalesced reads that wait for it, and return their futures.
 
         Reading one's own share first and copying the others' after it
         leaves the cores idle while the device reads and the device idle
@@ -281,9 +288,7 @@ class _Load:
                 try:
                     filled = self.storage.read_cached(name, [(o, v) for _, o, v in left[name]])
                 except Exception as e:
-                    item = left[name][0][0]
-                    raise self._read_error(
-                        item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk], e) from e
+                    raise self._region_error(left[name], e) from e
                 pending = []
                 for (item, offset, view), n in zip(left[name], filled, strict=True):
                     arrived += n
@@ -298,16 +303,37 @@ class _Load:
                     del left[name]
             if not arrived:  # nothing new: wait a little, or until the own reads end
                 wait(own, timeout=_ARRIVAL_POLL_S, return_when=ALL_COMPLETED)
-        for name, rest in left.items():
+        return [pool.submit(self._read_rest, name, rest) for name, rest in left.items()]
+
+    def _read_rest(self, name: str, rest: list[tuple[ReadItem, int, memoryview]]) -> None:
+        """Read the byte runs ``rest`` (region, file offset, target bytes)
+        of file ``name`` from the host's cache, waiting for them, in the
+        requests the planner makes of them."""
+        views = [view for _, _, view in rest]
+        runs = [read_plan.Run(offset, len(view), k, 0)
+                for k, (_, offset, view) in enumerate(rest)]
+        requests = self.planner.create_requests(runs, self.storage.read_cost)
+        try:
+            self.storage.read_requests(name, _calls(requests, views))
+        except Exception as e:
+            raise self._region_error(rest, e) from e
+        with self.lock:
+            self.counts[True][0] += sum(r.length for r in requests)
+            self.counts[True][1] += len(requests)
+
+    def _region_error(self, rest: list[tuple[ReadItem, int, memoryview]],
+                      error: Exception) -> CheckpointError:
+        """The error naming the region of ``rest`` whose read fails alone
+        (the first one if each alone reads)."""
+        for item, offset, view in rest:
+            chunk = self.metadata.tensors[item.fqn].chunks[item.chunk]
             try:
-                self.storage.read_requests(name, [(offset, [view]) for _, offset, view in rest])
+                self.storage.read_ranges(chunk.file, [(offset, view)])
             except Exception as e:
-                item = rest[0][0]
-                raise self._read_error(
-                    item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk], e) from e
-            with self.lock:
-                self.counts[True][0] += sum(len(v) for _, _, v in rest)
-                self.counts[True][1] += len(rest)
+                return self._read_error(item.fqn, chunk, e)
+        item = rest[0][0]
+        return self._read_error(item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk],
+                                error)
 
     def _read_threads(self, plan: LoadPlan) -> int:
         """Files read at once: the plugin's ``thread_count``; from a cache the
@@ -607,18 +633,8 @@ class _Load:
         views = [tensors.byte_view(s.buf) for s in sinks]
         runs = self._runs(sinks, items)
         requests = self.planner.create_requests(runs, self.storage.read_cost)
-        scratch = memoryview(bytearray(read_plan.largest_gap(requests)))
-        calls = []
-        for request in requests:
-            parts, pos = [], request.offset
-            for run in request.runs:
-                if run.offset > pos:
-                    parts.append(scratch[:run.offset - pos])
-                parts.append(views[run.sink][run.pos:run.pos + run.length])
-                pos = run.offset + run.length
-            calls.append((request.offset, parts))
         try:
-            self.storage.read_requests(name, calls)
+            self.storage.read_requests(name, _calls(requests, views))
         except Exception as e:  # find the region at fault, to name it
             for number, sink in enumerate(sinks):
                 ranges = [(r.offset, views[number][r.pos:r.pos + r.length])
@@ -736,6 +752,24 @@ class _Load:
         (read, requests), (cached, cache_requests) = self.counts[False], self.counts[True]
         return LoadReport(plan.missing_keys, plan.unexpected_keys, read, requests, cached,
                           cache_requests, plan.paths)
+
+
+def _calls(requests: list[read_plan.Request],
+           views: list[memoryview]) -> list[tuple[int, list[memoryview]]]:
+    """``requests`` as :meth:`StoragePlugin.read_requests` takes them: each
+    run's bytes into ``views[run.sink]`` at ``run.pos``, the gap bytes
+    between runs into one scratch buffer."""
+    scratch = memoryview(bytearray(read_plan.largest_gap(requests)))
+    calls = []
+    for request in requests:
+        parts, pos = [], request.offset
+        for run in request.runs:
+            if run.offset > pos:
+                parts.append(scratch[:run.offset - pos])
+            parts.append(views[run.sink][run.pos:run.pos + run.length])
+            pos = run.offset + run.length
+        calls.append((request.offset, parts))
+    return calls
 
 
 def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):
