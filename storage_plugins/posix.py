@@ -322,6 +322,9 @@ class PosixStorage(StoragePlugin):
 
 _libc = ctypes.CDLL(None, use_errno=True)  # the C library the process runs on
 _mincore = getattr(_libc, "mincore", None)
+#: byte -> its lowest bit: ``mincore`` sets bit 0 of a page's byte if the
+#: page is held, and leaves the other bits undefined
+_RESIDENT_BIT = bytes(b & 1 for b in range(256))
 
 
 def _resident_bytes(mapping: mmap.mmap, offset: int, length: int) -> int:
@@ -346,7 +349,7 @@ def _resident_bytes(mapping: mmap.mmap, offset: int, length: int) -> int:
             raise OSError(err, os.strerror(err))
     finally:
         del anchor
-    gone = bytes(pages).find(0)  # the first page not held (flags are 0 or 1)
+    gone = bytes(pages).translate(_RESIDENT_BIT).find(0)  # the first page not held
     gone = len(pages) if gone < 0 else gone
     return max(0, min(offset + length, (first + gone) * page) - offset)
 

@@ -278,8 +278,8 @@ class _Load:
         while they copy; taking what has arrived
         (:meth:`~dcp.core.storage.StoragePlugin.read_cached`) between waits
         overlaps the two.  Measured at W=4 on one 2-core host, a replicated
-        512 MiB load: 0.54 s against 0.62 s, 0.62 s against 0.76 s (medians
-        of 8, alternating in one run)."""
+        512 MiB load: 0.51 s against 0.64 s (medians of 8, alternating in
+        one run)."""
         left = {name: [(item, *runs[item]) for item in group]
                 for name, group in self._by_file(list(runs)).items()}
         while left and not all(f.done() for f in own):
