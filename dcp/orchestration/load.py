@@ -42,7 +42,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
 from dcp.coordination.collectives import Coordinator
@@ -212,13 +212,7 @@ class _Load:
         keep = {i for t in sourced if not t.whole_chunk for i in t.items}
         self.whole = {i for t in sourced if t.whole_chunk for i in t.items}
         self.forced = {(i.fqn, i.chunk) for i in self.whole}
-        # regions another rank of the host pulls into the page cache that
-        # can be copied from it as they arrive (one byte run into the
-        # target's own memory, worth a request of its own), while this
-        # rank's own reads are in flight
-        runs = {i: run for i in dict.fromkeys(plan.cached)
-                if plan.items and can_read_cached(self.storage)
-                and (run := self._cache_run(i)) is not None}
+        runs = self._arriving_runs(plan)
         later = [i for i in plan.cached if i not in runs]
         with ThreadPoolExecutor(self._read_threads(plan)) as pool:
             # reads feeding transfers first, in the order the transfers run,
@@ -241,6 +235,21 @@ class _Load:
                 future.result()
         self._load_objects()
 
+    def _arriving_runs(self, plan: LoadPlan) -> dict[ReadItem, tuple[int, memoryview]]:
+        """The regions another rank of the host pulls into the page cache
+        that this rank copies out of it as they arrive, while its own reads
+        are in flight (:meth:`_read_arriving`), each with its byte run (see
+        :meth:`_cache_run`): none where it reads nothing of its own or the
+        storage cannot look at its cache, nor of a chunk it reads whole."""
+        if not plan.items or not can_read_cached(self.storage):
+            return {}
+        by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
+        for item in dict.fromkeys(plan.cached):
+            by_chunk[(item.fqn, item.chunk)].append(item)
+        return {item: run for (fqn, number), items in by_chunk.items()
+                if not self._reads_whole(fqn, number, items)
+                for item in items if (run := self._cache_run(item)) is not None}
+
     def _cache_run(self, item: ReadItem) -> tuple[int, memoryview] | None:
         """``(file offset, target bytes)`` of a region that is one byte run
         of its chunk and lands in its target's own memory as stored, else
@@ -251,11 +260,6 @@ class _Load:
             return None
         saved = self.metadata.tensors[item.fqn]
         chunk = saved.chunks[item.chunk]
-        key = (item.fqn, item.chunk)
-        if key in self.forced or (self.verify != "none" and (
-                key in self.checks if self.checks is not None
-                else self._whole_chunk(item.fqn, item.chunk, [item]))):
-            return None  # this rank reads the chunk whole and checks it (see _sinks)
         dest = self._target_region(item)
         if not tensors.is_direct_target(dest, saved.dtype):
             return None
@@ -288,7 +292,7 @@ class _Load:
                 try:
                     filled = self.storage.read_cached(name, [(o, v) for _, o, v in left[name]])
                 except Exception as e:
-                    raise self._region_error(left[name], e) from e
+                    self._raise_read_error(left[name], e)
                 pending = []
                 for (item, offset, view), n in zip(left[name], filled, strict=True):
                     arrived += n
@@ -316,24 +320,21 @@ class _Load:
         try:
             self.storage.read_requests(name, _calls(requests, views))
         except Exception as e:
-            raise self._region_error(rest, e) from e
+            self._raise_read_error(rest, e)
         with self.lock:
             self.counts[True][0] += sum(r.length for r in requests)
             self.counts[True][1] += len(requests)
 
-    def _region_error(self, rest: list[tuple[ReadItem, int, memoryview]],
-                      error: Exception) -> CheckpointError:
-        """The error naming the region of ``rest`` whose read fails alone
-        (the first one if each alone reads)."""
+    def _raise_read_error(self, rest: list[tuple[ReadItem, int, memoryview]],
+                          error: Exception) -> NoReturn:
+        """Raise the error naming the region of ``rest`` (region, file
+        offset, target bytes) whose read fails alone, else the first."""
         for item, offset, view in rest:
-            chunk = self.metadata.tensors[item.fqn].chunks[item.chunk]
-            try:
-                self.storage.read_ranges(chunk.file, [(offset, view)])
-            except Exception as e:
-                return self._read_error(item.fqn, chunk, e)
+            self._fetch(item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk],
+                        [(offset, view)])
         item = rest[0][0]
-        return self._read_error(item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk],
-                                error)
+        raise self._read_error(item.fqn, self.metadata.tensors[item.fqn].chunks[item.chunk],
+                               error) from error
 
     def _read_threads(self, plan: LoadPlan) -> int:
         """Files read at once: the plugin's ``thread_count``; from a cache the
@@ -566,6 +567,14 @@ class _Load:
                 extents.append(extent)
         return self.planner.read_whole_chunk(chunk.nbytes, extents, self.storage.read_cost)
 
+    def _reads_whole(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
+        """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
+        regions ``items`` of it: it checks the chunk for its host, sends it
+        whole, or finds it no dearer (:meth:`_whole_chunk`)."""
+        key = (fqn, number)
+        return ((self.checks is not None and key in self.checks) or key in self.forced
+                or self._whole_chunk(fqn, number, items))
+
     def _sinks(self, fqn: str, number: int, items: list[ReadItem], indices: list[int],
                cached: bool) -> list[_Sink]:
         """Where the regions ``items[k]`` (``k`` in ``indices``) of chunk
@@ -575,11 +584,9 @@ class _Load:
         shared cache is checked by another rank (:attr:`LoadPlan.checks`)."""
         saved = self.metadata.tensors[fqn]
         chunk = saved.chunks[number]
-        key = (fqn, number)
         checks = self.checks
-        designated = checks is not None and key in checks
-        if designated or key in self.forced or self._whole_chunk(
-                fqn, number, [items[k] for k in indices]):
+        if self._reads_whole(fqn, number, [items[k] for k in indices]):
+            designated = checks is not None and (fqn, number) in checks
             if self.verify == "all":
                 # the chunk's last byte first: crafted metadata declaring a huge
                 # chunk fails here, before a buffer of its size is allocated
