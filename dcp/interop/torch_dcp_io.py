@@ -162,6 +162,14 @@ class _Range(io.RawIOBase):
         self.pos += n
         return n
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most the bytes left in the range: :mod:`zipfile` asks for the
+        sizes an archive declares, and a buffer of a declared size is never
+        allocated beyond what the range holds."""
+        left = max(0, self.length - self.pos)
+        buf = bytearray(left if size is None or size < 0 else min(size, left))
+        return bytes(memoryview(buf)[:self.readinto(buf)])
+
 
 def _rebuild(storage, offset, size, stride, *rest):
     return storage, offset, tuple(size), tuple(stride)
@@ -191,7 +199,11 @@ def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
             pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
             data = [i for i in infos if "/data/" in i.filename]
             order = [i for i in infos if i.filename.endswith("/byteorder")]
-            if len(pkl) != 1 or len(data) != 1 or (order and z.read(order[0]) != b"little"):
+            if len(pkl) != 1 or len(data) != 1:
+                return "not one little-endian storage"
+            if any(i.compress_type != zipfile.ZIP_STORED for i in (*pkl, *order)):
+                return "compressed records"  # torch.save stores them as they are
+            if order and z.read(order[0]) != b"little":
                 return "not one little-endian storage"
             (kind, storage_type, key, _, numel), offset, size, stride = _tensor_pickle(
                 z.read(pkl[0]), f"{info.relative_path}: {pkl[0].filename}")
@@ -199,7 +211,7 @@ def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
             header = bytearray(30)
             storage.read_ranges(info.relative_path,
                                 [(info.offset + entry.header_offset, memoryview(header))])
-        contiguous = len(stride) == len(size) and all(
+        contiguous = tuple(size) == sizes and len(stride) == len(size) and all(
             stride[d] == math.prod(size[d + 1:]) for d in range(len(size)) if size[d] > 1)
         names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
         start = entry.header_offset + 30 + names  # within torch's byte range of the chunk
