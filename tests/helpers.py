@@ -206,3 +206,43 @@ def mindspore_scenario(world_size: int = 2, **kwargs):
         return skipped
 
     return deco
+
+
+def from_rank0(value_on_rank0):
+    """``value_on_rank0()`` computed on rank 0 of the default group and
+    broadcast: the same value on every rank."""
+    import torch.distributed as dist
+
+    box = [value_on_rank0() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wait_for(path: Path, timeout: float = 300.0) -> str:
+    """The text of ``path`` once another process has written it (a wait
+    outside any collective, whose timeout a long job would outlast)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} not written within {timeout} s"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def assert_same_state(actual, expected, where: str = "") -> None:
+    """Nested dicts and lists equal, their tensors bit for bit
+    (:func:`assert_bitwise_equal`); ``where`` names the path in failures."""
+    if isinstance(expected, torch.Tensor):
+        assert_bitwise_equal(actual, expected, where)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and sorted(actual) == sorted(expected), \
+            (where, sorted(actual), sorted(expected))
+        for k in expected:
+            assert_same_state(actual[k], expected[k], f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state(a, e, f"{where}.{i}")
+    else:
+        assert actual == expected, (where, actual, expected)
