@@ -15,7 +15,7 @@ install-base:
 
 # what the tests need besides: the test and mindspore extras and the example (sqlite) plugin
 install: install-base
-	$(PIP) -e '.[test,mindspore]'
+	$(PIP) -e '.[test,mindspore,integrations]'
 	$(PIP) -e tests/plugin_pkg
 
 demo: install-base

@@ -73,7 +73,8 @@ class Capture(Callback):
 
 
 def fit(root: str, max_steps: int, *, ckpt_path: str | None = None, dirpath: str | None = None,
-        strategy: type = ModelParallelStrategy, **strategy_options: Any) -> tuple[L.Trainer, Capture]:
+        strategy: type = ModelParallelStrategy,
+        **strategy_options: Any) -> tuple[L.Trainer, Capture]:
     """``Trainer.fit`` on every rank of the default group (``LOCAL_RANK`` set,
     so Lightning launches nothing); ``dirpath``: ``ModelCheckpoint``'s
     (``None``: no checkpoint callback)."""

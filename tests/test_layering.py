@@ -14,6 +14,10 @@
 - torch: within ``dcp/core/`` only the tensor adapters import it
   (``tensors.py``, and ``mindspore_tensors.py``, which hands MindSpore
   tensors over as torch ones); ``planners/`` never.
+- ``dcp/integrations/`` (trainers picking hyperdcp from their configuration)
+  uses only the public API: ``dcp``'s names, the conversions of
+  ``dcp.interop`` and the format's names in ``dcp.core.metadata``; nothing in
+  ``dcp/`` imports it, so ``import dcp`` never loads a trainer.
 - mindspore: only ``dcp/core/mindspore_tensors.py`` imports it, and only
   inside functions (a torch-only job never loads it); nothing else in
   ``dcp/``, ``planners/`` or ``storage_plugins/``, at any level.
@@ -44,6 +48,9 @@ PACKAGES = ("dcp", "planners", "storage_plugins")
 DCP_FOR_IMPLEMENTATIONS = ("dcp.core", "dcp.errors")
 TORCH_IN_CORE = ("dcp.core.tensors", "dcp.core.mindspore_tensors")
 MINDSPORE_ADAPTER = "dcp.core.mindspore_tensors"
+INTEGRATIONS = "dcp.integrations"
+#: what dcp/integrations/ may import of dcp (besides ``dcp`` itself): the public API
+DCP_FOR_INTEGRATIONS = ("dcp.interop", "dcp.core.metadata")
 
 
 @dataclass(frozen=True)
@@ -183,9 +190,17 @@ def layer_violations(imports: dict[str, list[Import]]) -> list[tuple[Import, str
                       and not any(_within(t, ok) for ok in DCP_FOR_IMPLEMENTATIONS)):
                     out.append((i, "implementations use only dcp.core.*, dcp.errors and "
                                    "dcp's top-level names"))
+            elif _within(module, INTEGRATIONS):
+                if (_within(t, "dcp") and t != "dcp" and not _within(t, INTEGRATIONS)
+                        and not any(_within(t, ok) for ok in DCP_FOR_INTEGRATIONS)):
+                    out.append((i, "integrations use only dcp's public API (dcp, dcp.interop, "
+                                   "dcp.core.metadata)"))
             elif _within(module, "dcp"):
                 if _within(t, "planners") or _within(t, "storage_plugins"):
                     out.append((i, "dcp finds planners and plugins through entry points only"))
+                elif _within(t, INTEGRATIONS):
+                    out.append((i, "nothing in dcp imports the integrations (import dcp loads "
+                                   "no trainer)"))
                 elif (_within(module, "dcp.core") and _within(t, "dcp")
                       and not any(_within(t, ok) for ok in DCP_FOR_IMPLEMENTATIONS)):
                     out.append((i, "dcp.core imports only dcp.core.* and dcp.errors"))
@@ -269,6 +284,11 @@ _BROKEN = {
                                      "def f():\n    from mindspore import Tensor\n",
     "dcp/core/boxes.py": "import numpy\nfrom torch import Tensor\n"
                          "from ..orchestration import save\n",
+    "dcp/integrations/__init__.py": "",
+    "dcp/integrations/trainer.py": "import dcp\nimport torchtitan\nfrom dcp.interop import x\n"
+                                   "from dcp.core.metadata import M\n"
+                                   "from dcp.orchestration import load\n",
+    "dcp/manager/__init__.py": "from dcp.integrations import trainer\n",
     "dcp/core/lazy.py": "def f():\n    import dcp.core.lazy_back\n",
     "dcp/core/lazy_back.py": "import dcp.core.lazy\n",
     "dcp/core/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
@@ -301,6 +321,8 @@ def test_each_check_reports_what_breaks_it(tmp_path):
         "dcp/orchestration/save.py:1 imports dcp.orchestration.load"]]
     assert [str(i) for i, _ in layer_violations(imports)] == [
         "dcp/core/boxes.py:3 imports dcp.orchestration.save",
+        "dcp/integrations/trainer.py:5 imports dcp.orchestration.load",
+        "dcp/manager/__init__.py:1 imports dcp.integrations.trainer",
         "dcp/orchestration/save.py:2 imports storage_plugins.posix",
         "planners/save.py:4 imports dcp.orchestration.save",
         "planners/save.py:5 imports storage_plugins.posix",

@@ -127,7 +127,8 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             return self._load_foreign(path, weights_only)
         self.model.load_state_dict(state["state_dict"], strict=strict)
         for i, optimizer in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"],
+            set_optimizer_state_dict(self.model, optimizer,
+                                     optim_state_dict=state[f"optimizer_{i}"],
                                      options=StateDictOptions(cpu_offload=True))
         try:
             return torch.load(io.BytesIO(state[TRAINER_KEY]), weights_only=True)
