@@ -170,7 +170,7 @@ class RecordingKinds:
         parts = super()._gather(step, phase, obj)  # type: ignore[misc]
         if parts is not None:
             self.kinds.append({type(v[3]).__name__ for v, _ in parts
-                               if isinstance(v, tuple) and len(v) == 4})
+                               if isinstance(v, tuple) and len(v) == 5})
         return parts
 
 

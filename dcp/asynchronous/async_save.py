@@ -10,11 +10,18 @@ Coordination of the background processes (``coordination=``):
 
 * ``"gloo"``: a dedicated CPU gloo group of the workers, built from the job's
   rendezvous store under a prefix unique to this saver (never the trainer's
-  groups); rebuilt after a failed save.
+  groups); rebuilt after a failed save.  Ranks that passed different
+  checkpoint ids fail at the first step, on every rank, naming the ids.
 * ``"file"``: the file-flag protocol over the checkpoint's own storage
-  (:mod:`dcp.coordination.file_flag`): no communicator at all.
+  (:mod:`dcp.coordination.file_flag`): no communicator at all.  Ranks that
+  passed different ids meet in different folders, so they fail only by
+  ``timeout`` (the message names that cause); nothing is committed.
 * ``"none"``: no cross-rank traffic; each rank commits its own metadata file
-  and readers merge them (:mod:`dcp.coordination.independent`).
+  and readers merge them (:mod:`dcp.coordination.independent`).  Nothing
+  compares the ranks' ids: with different ids every rank's ``result()``
+  returns, and each folder holds one rank's metadata file, which a load
+  refuses as an incomplete checkpoint (never loaded, but not an error at
+  save time either).
 
 All ranks of the group must call :func:`async_save` in the same order (it is
 collective, like :func:`dcp.save`).  Once per job, at the first call, the

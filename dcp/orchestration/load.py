@@ -4,7 +4,9 @@ Phases (each a collective step, so a failure on any rank raises on all):
 
 1. the coordinator reads the committed metadata once and broadcasts its bytes;
 2. every rank matches its state dict against it and the load planner turns
-   each needed box into reads of chunk intersections; the global plan picks,
+   each needed box into reads of chunk intersections; the coordinator
+   refuses ranks that passed another checkpoint id than its own (they would
+   read its metadata's file names in their folders), and the global plan picks,
    for each region several ranks need, who reads it from storage and the
    path it takes to the others (page cache, shared memory, broadcast: see
    ``planners.load``);
@@ -53,7 +55,13 @@ from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
 from dcp.core.state_dict import Leaf, flatten, shaped_like
-from dcp.core.storage import StoragePlugin, can_read_cached, open_storage
+from dcp.core.storage import (
+    StoragePlugin,
+    can_read_cached,
+    location_key,
+    open_storage,
+    refuse_differing_locations,
+)
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration import pending, targets
 from dcp.orchestration.gc_pause import gc_paused
@@ -203,6 +211,16 @@ class _Load:
             (fqn, number, self.metadata.tensors[fqn].chunks[number].nbytes)
             for (fqn, number), items in by_chunk.items() if self._whole_chunk(fqn, number, items)]
         return plan
+
+    def global_plan(self, parts: list[tuple[str, LoadPlan]]) -> list[LoadPlan]:
+        """The coordinator's plan from every rank's ``(location, local
+        plan)``; refuses ranks that name other checkpoints than the
+        coordinator's, whose metadata they planned with."""
+        refuse_differing_locations(
+            [where for where, _ in parts], "one load",
+            "the coordinator read the metadata of its own, and the others would read the files "
+            "it names in theirs; nothing was read")
+        return self.planner.create_global_plan([plan for _, plan in parts])
 
     def read(self, plan: LoadPlan) -> None:
         """Read this rank's items and run its transfers."""
@@ -749,8 +767,9 @@ class _Load:
         self.metadata = decode(data, f"{checkpoint_id}/{METADATA_FILE}")
         if self.coord.world_size > 1:
             self.exchange = HostExchange(session, self.coord.rank, self.max_inflight_bytes)
-        plan = self.coord.gather_scatter("load planning", self.local_plan,
-                                         self.planner.create_global_plan)
+        where = location_key(self.storage.checkpoint_id)
+        plan = self.coord.gather_scatter("load planning", lambda: (where, self.local_plan()),
+                                         self.global_plan)
         try:
             self.coord.run_all("load reading", lambda: self.read(plan))
         finally:
@@ -854,7 +873,8 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         NotACheckpointError: nothing committed at ``checkpoint_id``.
         CorruptCheckpointError: a checksum mismatch, or a missing or
             truncated file, naming the fqn, chunk and file.
-        CheckpointError: shape or dtype mismatch, missing keys, or a
+        CheckpointError: shape or dtype mismatch, missing keys, ranks
+            that passed different checkpoint ids (naming each), or a
             failure on another rank (naming it).
     """
     pending.wait(str(checkpoint_id))  # this process's save in flight to it, if any

@@ -734,7 +734,8 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
 
     Raises:
         CheckpointError: on every rank, naming the rank, fqn or file at
-        fault, if anything fails; nothing is committed then.
+        fault, if anything fails (ranks that passed different checkpoint
+        ids: each id and its ranks); nothing is committed then.
     """
     pending.wait()
     coordinator = Coordinator(process_group)
