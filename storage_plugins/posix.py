@@ -298,6 +298,8 @@ class PosixStorage(StoragePlugin):
 
     def list_files(self) -> list[str]:
         if not self.root.is_dir():
+            if self.root.exists():  # a file: not a folder of files
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.root))
             return []
         return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
                       if p.is_file())

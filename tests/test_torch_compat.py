@@ -522,6 +522,30 @@ def test_compat_no_dist_single_process(tmp_path):
         dcp.compat.load(target)
 
 
+def test_a_torch_dcp_checkpoint_or_a_file_says_what_it_is(tmp_path):
+    """Loaded as a checkpoint: a PyTorch DCP checkpoint says so and how to
+    convert it once; a regular file says it is a file."""
+    import warnings
+
+    import torch.distributed.checkpoint as torch_dcp
+
+    path = tmp_path / "torch_dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)
+    (tmp_path / "model.pt").write_bytes(b"not a folder")
+    for where, says in ((path, f"it is a PyTorch DCP checkpoint (.metadata, a pickle): convert "
+                               f"it once, if you trust it, with `hyperdcp convert "
+                               f"--trust-pickle {path} DST`"),
+                        (tmp_path / "model.pt", "it is a file, not a folder")):
+        for call in (lambda w=where: dcp.compat.load({"w": torch.zeros(2)}, checkpoint_id=w),
+                     lambda w=where: dcp.load({"w": torch.zeros(2)}, str(w)),
+                     lambda w=where: dcp.read_metadata(str(w))):
+            with pytest.raises(dcp.NotACheckpointError) as e:
+                call()
+            assert says in str(e.value), str(e.value)
+
+
 def test_stateful_errors_name_the_fqn(tmp_path):
     class Broken:
         def state_dict(self):

@@ -27,6 +27,7 @@ import zlib
 from dcp.core.boxes import volume
 from dcp.core.metadata import (
     METADATA_FILE,
+    TORCH_METADATA_FILE,
     Metadata,
     TensorMeta,
     decode,
@@ -100,8 +101,15 @@ def what_is_there(storage: StoragePlugin) -> str:
 
     try:
         names = storage.list_files()
+    except NotADirectoryError:
+        return f"it is a file, not a folder (a checkpoint is a folder holding {METADATA_FILE})"
     except Exception as e:  # the message is about the missing metadata: say what we could
         return f"no committed {METADATA_FILE}, and listing it failed ({type(e).__name__}: {e})"
+    if TORCH_METADATA_FILE in names:
+        return (f"it is a PyTorch DCP checkpoint ({TORCH_METADATA_FILE}, a pickle): convert it "
+                f"once, if you trust it, with `hyperdcp convert --trust-pickle "
+                f"{storage.checkpoint_id} DST` and load DST (or load it with "
+                f"torch.distributed.checkpoint)")
     if not names:
         exists = storage.location_exists()
         if exists is None:
@@ -139,12 +147,12 @@ def read_metadata_bytes(storage: StoragePlugin) -> bytes:
     """
     try:
         return storage.read_file(METADATA_FILE)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none, or the root is a file
         pass
     where = f"{storage.checkpoint_id}/{rank_metadata_file(0)}"
     try:
         first = decode(storage.read_file(rank_metadata_file(0)), where)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise NotACheckpointError(
             f"{storage.checkpoint_id!r} is not a checkpoint: {what_is_there(storage)}") from None
     parts, missing = [first], []

@@ -234,6 +234,23 @@ class StoragePlugin(abc.ABC):
         return payload
 
 
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Inside it, an exception of a storage plugin's own (its backend's: a
+    ``FileNotFoundError`` for a missing bucket, botocore's
+    ``EndpointConnectionError`` for an unreachable endpoint, a refused
+    permission) becomes a :class:`CheckpointError` saying that ``what``
+    failed and why; a :class:`CheckpointError` passes as it is.  For the
+    library's calls that touch storage outside a save's or load's steps
+    (which report such failures themselves)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
 def can_read_cached(storage: StoragePlugin) -> bool:
     """Whether ``storage`` implements :meth:`StoragePlugin.read_cached`."""
     return type(storage).read_cached is not StoragePlugin.read_cached

@@ -59,7 +59,7 @@ from dcp.core.metadata import (
     TensorMeta,
     checksum,
 )
-from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
+from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.interop.streaming import check_readable, conversion_data
 from dcp.orchestration.save import (
@@ -381,7 +381,11 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
     encoded = {fqn: encode_object(fqn, value, allow_pickle)
                for fqn, value in (objects or {}).items()}
     ranks = Ranks.of(process_group)
-    if not overwrite and ranks.broadcast(dest.exists(METADATA_FILE) if ranks.rank == 0 else None):
+    committed = None
+    if not overwrite and ranks.rank == 0:
+        with storage_errors(f"reading {dest.checkpoint_id!r}"):
+            committed = dest.exists(METADATA_FILE)
+    if not overwrite and ranks.broadcast(committed):
         raise CheckpointError(f"{dest.checkpoint_id!r} already holds a committed checkpoint; "
                               f"pass overwrite=True to replace it")
     import uuid

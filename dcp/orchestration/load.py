@@ -61,6 +61,7 @@ from dcp.core.storage import (
     location_key,
     open_storage,
     refuse_differing_locations,
+    storage_errors,
 )
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration import pending, targets
@@ -132,13 +133,8 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
     """
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
-    try:
+    with storage_errors(f"reading the metadata of {checkpoint_id!r}"):
         data = read_metadata_bytes(storage)
-    except CheckpointError:
-        raise
-    except Exception as e:  # the storage's own error (unreachable endpoint, permissions, ...)
-        raise CheckpointError(f"reading the metadata of {checkpoint_id!r} failed: "
-                              f"{type(e).__name__}: {e}") from e
     return decode(data, f"{checkpoint_id}/{METADATA_FILE}")
 
 

@@ -56,14 +56,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcp.coordination.independent import has_metadata, what_is_there
-from dcp.core.metadata import CHECKSUM, METADATA_FILE
-from dcp.core.storage import open_storage, scheme_of
+from dcp.core.metadata import CHECKSUM, METADATA_FILE, TORCH_METADATA_FILE
+from dcp.core.storage import open_storage, scheme_of, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop import mindspore_ckpt, safetensors_io, torch_dcp_io
 from dcp.interop.mindspore_ckpt import MindSporeCkpt, is_mindspore_ckpt
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.streaming import split_file
-from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
 from dcp.manager.manager import POINTER, STEP_PREFIX, prune_steps, read_pointer, step_of
 from dcp.manager.policies import LatestN
 from dcp.orchestration import inventory
@@ -135,19 +134,28 @@ def _detect(uri: str, options: dict[str | None, dict]) -> str:
     if uri.endswith(SUFFIX):
         return "safetensors"
     storage = open_storage(uri, **_options_for(uri, options))
-    if has_metadata(storage):
-        return "hyperdcp"
-    if storage.exists(TORCH_METADATA_FILE):
-        return "torch-dcp"
-    if _is_ckpt_file(uri, options):
-        return "mindspore"
-    if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
-                                         for n in storage.list_files()):
-        return "safetensors"
+    with storage_errors(f"reading {uri!r}"):
+        if has_metadata(storage):
+            return "hyperdcp"
+        if storage.exists(TORCH_METADATA_FILE):
+            return "torch-dcp"
+        if _is_ckpt_file(uri, options):
+            return "mindspore"
+        if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
+                                             for n in _names(storage)):
+            return "safetensors"
     raise NotACheckpointError(
         f"{uri!r} is not a checkpoint (no {METADATA_FILE}, no PyTorch DCP "
         f"{TORCH_METADATA_FILE}, no {SUFFIX} file, not a MindSpore {mindspore_ckpt.SUFFIX} "
         f"file): {what_is_there(storage)}")
+
+
+def _names(storage) -> list[str]:
+    """The files under ``storage``'s root; none where the root is a file."""
+    try:
+        return storage.list_files()
+    except NotADirectoryError:
+        return []
 
 
 def _open(uri: str, options: dict[str | None, dict]):
@@ -291,7 +299,10 @@ def _by_step(entry) -> tuple:
 def _require_location(uri: str, options: dict) -> None:
     """Refuse a root that does not exist (a mistyped path in a script must
     not pass for an empty one)."""
-    if open_storage(uri, **options).location_exists() is False:
+    storage = open_storage(uri, **options)
+    with storage_errors(f"reading {uri!r}"):
+        exists = storage.location_exists()
+    if exists is False:
         raise CheckpointError(f"{uri}: no such directory")
 
 
@@ -455,7 +466,7 @@ def _convert(args) -> int:
     if group is not None and __import__("torch.distributed").distributed.get_rank() != 0:
         return 0
     print(f"converted {count} tensors ({nbytes} bytes) from {source} {args.src} to {target} "
-          f"{args.dst} in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 2**20:.0f} MiB/s)")
+          f"{args.dst} in {seconds:.2f} s ({_size(round(nbytes / max(seconds, 1e-9)))}/s)")
     if skipped:
         print(f"note: {target} holds tensors only; skipped {len(skipped)} value(s): "
               f"{', '.join(skipped)}")
