@@ -311,6 +311,10 @@ class PosixStorage(StoragePlugin):
     def location_exists(self) -> bool | None:
         return self.root.is_dir()
 
+    def remove_if_empty(self) -> None:
+        with contextlib.suppress(OSError):  # not empty, gone, or not ours to remove
+            self.root.rmdir()
+
     def file_stats(self) -> dict[str, tuple[int | None, float | None]]:
         stats: dict[str, tuple[int | None, float | None]] = {}
         for name in self.list_files():

@@ -196,6 +196,13 @@ class StoragePlugin(abc.ABC):
         over an existing file."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace a file atomically")
 
+    def remove_if_empty(self) -> None:
+        """Remove the root itself if nothing is under it: the folder of a
+        failed save that made it and deleted what it wrote.  Never raises
+        (a root still holding anything stays).  Optional: the default does
+        nothing (an object store's prefix ends with its last object)."""
+        return None
+
     def location_exists(self) -> bool | None:
         """Whether the root itself exists (a directory), for messages about
         a missing path; ``None`` where the backend has no such notion (an

@@ -17,10 +17,11 @@ failure anywhere fails the save on every rank:
    commit the previous checkpoint stays whole and loadable.
 
 On failure every rank deletes the files it wrote, interrupted or not
-(``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler); nothing
-is committed.  What a killed process could not delete (``SIGKILL``) is listed
-as orphaned by ``hyperdcp list`` and ``hyperdcp verify``, and deleted by
-``hyperdcp prune`` or by the next save that commits there.
+(``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler), then the
+checkpoint's folder if the save made it; nothing is committed.  What a
+killed process could not delete (``SIGKILL``) is listed as orphaned by
+``hyperdcp list`` and ``hyperdcp verify``, and deleted by ``hyperdcp prune``
+or by the next save that commits there.
 """
 
 from __future__ import annotations
@@ -489,6 +490,8 @@ class _Save:
         self.state = SaveState()
         self.save_id: str | None = None
         self.written: list[str] = []
+        #: the checkpoint's folder did not exist as the save began on this rank
+        self.fresh = storage.location_exists() is False
         self.decls: dict[str, TensorDecl] = {}
         self._by_fqn: dict[str, list[tensors.LocalChunk]] | None = None  # built for pieces
 
@@ -675,17 +678,29 @@ class _Save:
         coordinator, or a rank waiting for its answer, loses a peer after the
         metadata was published); the files are then the checkpoint's.  If
         the metadata cannot be read, the files are kept: garbage is better
-        than a committed checkpoint without its data."""
-        if not self.written:
-            return
-        try:
-            committed = decode(self.storage.read_file(self.metadata_file)).save_id == self.save_id
-        except (FileNotFoundError, CorruptCheckpointError):
-            committed = False
-        except Exception:  # unknown: keep the files
-            committed = True
-        if not committed:
+        than a committed checkpoint without its data.  Then the folder goes
+        too if the save made it (:meth:`remove_folder`)."""
+        if self.written:
+            try:
+                committed = (decode(self.storage.read_file(self.metadata_file)).save_id
+                             == self.save_id)
+            except (FileNotFoundError, CorruptCheckpointError):
+                committed = False
+            except Exception:  # unknown: keep the files
+                committed = True
+            if committed:
+                return
             self.storage.delete(self.written)
+            self.written = []
+        self.remove_folder()
+
+    def remove_folder(self) -> None:
+        """After a failure, once this rank's files are deleted: remove the
+        checkpoint's folder if it did not exist when this rank's save began
+        and is empty now (:meth:`StoragePlugin.remove_if_empty`; each rank
+        tries, so the last to delete its files removes it)."""
+        if self.fresh:
+            self.storage.remove_if_empty()
 
     def plan_all(self, plans: list[SavePlan], save_id: str | None) -> list[tuple[str, SavePlan]]:
         """The coordinator's planning: each rank's final plan, with the
