@@ -35,9 +35,11 @@ that differ, a value that is neither a tensor, JSON, ``bytes`` nor
 ``DefaultLoadPlanner(allow_partial_load=True)``), or hyperdcp's call where
 torch has none.
 
-Storage: torch's ``FileSystemWriter`` / ``FileSystemReader``, or any object
-with a ``path``, names where the checkpoint lives; hyperdcp's own storage
-plugin for that path's scheme does the I/O.  A writer's ``overwrite``
+Storage: torch's ``FileSystemWriter`` / ``FileSystemReader`` (their fsspec
+subclasses too), or any object of the caller's with a ``path``, names where
+the checkpoint lives; hyperdcp's own storage plugin for that path's scheme
+does the I/O (torch's other storages are refused: their own I/O or format
+would be bypassed).  A writer's ``overwrite``
 (PyTorch DCP's default: ``True``) is honoured; hyperdcp keeps the previous
 checkpoint loadable until the new one commits.
 

@@ -33,18 +33,19 @@ config file): the :class:`~storage_plugins.fsspec_store.FsspecStorage` ones
 (default 5), and any ``s3fs.S3FileSystem`` argument, e.g. ``endpoint_url``,
 ``profile``, ``key``/``secret``/``token``, ``client_kwargs``
 (``{"region_name": ...}``), ``config_kwargs`` (merged over the retry and
-connection-pool defaults).
+connection-pool defaults).  A name none of these takes is refused when the
+plugin is made, with the nearest known name (s3fs would hand it on to
+aiobotocore, which fails at the first request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import difflib
-import functools
 import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import TypeVar
 
 import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
@@ -187,7 +188,7 @@ class S3Storage(FsspecStorage):
                 pass
 
 
-@functools.cache
+@cache
 def _s3fs_options() -> frozenset[str]:
     """The keyword arguments an ``s3fs.S3FileSystem`` takes: its own, the
     listing-cache ones it hands to fsspec, and those of the aiobotocore
