@@ -145,3 +145,11 @@ def test_meta_targets_are_materialized_on_the_device_the_load_names(tmp_path, mo
     assert tensors._materialize_device(meta, "cpu") == torch.device("cpu")
     monkeypatch.setattr(devices, "current_device", lambda: None)
     assert tensors._materialize_device(meta, None) == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="runs the checks on a device")
+def test_the_device_check_says_there_is_nothing_to_check_without_an_accelerator(capsys):
+    from benchmarks import device_check
+
+    assert device_check.main([]) == 2
+    assert "torch finds no accelerator" in capsys.readouterr().out
