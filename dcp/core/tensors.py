@@ -37,7 +37,10 @@ type is hard-coded; where the copies run and into which host memory is
 from __future__ import annotations
 
 import copy
+import functools
+import io
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +116,78 @@ def dtype_name(dtype: torch.dtype, fqn: str) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a checkpoint dtype name."""
     return _DTYPES[name]
+
+
+def _storage_from_bytes(data: bytes) -> torch.storage.TypedStorage:
+    """``torch.storage._load_from_bytes``, which ``pickle.dumps`` of a tensor
+    names for its storage: the ``torch.save`` bytes read by torch's
+    ``weights_only`` loader (torch's runs its full unpickler)."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"a storage from a {type(data).__name__}")
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise TypeError(f"a storage pickle holding a {type(storage).__name__}")
+    return storage
+
+
+def _tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                         hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` with its view checked to lie
+    inside the storage (torch's ``set_`` grows the storage to fit any view:
+    memory without bound), non-negative strides, and no backward hooks."""
+    if not (isinstance(storage, torch.storage.TypedStorage) and type(offset) is int
+            and isinstance(size, tuple) and isinstance(stride, tuple)
+            and len(size) == len(stride) <= 64
+            and all(type(v) is int and v >= 0 for v in (offset, *size, *stride))
+            and type(requires_grad) is bool and not hooks
+            and (metadata is None or isinstance(metadata, dict))):
+        raise TypeError(f"a tensor rebuilt from ({type(storage).__name__}, {offset!r:.20}, "
+                        f"{size!r:.40}, {stride!r:.40}, ...)")
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1 \
+        if all(size) else offset
+    elements = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # no deprecation warning
+    if end > elements:
+        raise ValueError(f"a view {list(size)}, strides {list(stride)}, offset {offset} of a "
+                         f"storage of {elements} elements")
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+                                           OrderedDict(), metadata)
+
+
+def _parameter(data: Any, requires_grad: Any, hooks: Any) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter``, without backward hooks."""
+    if not isinstance(data, torch.Tensor) or type(requires_grad) is not bool or hooks:
+        raise TypeError(f"a parameter of a {type(data).__name__}")
+    return torch.nn.Parameter(data, requires_grad)
+
+
+@functools.cache
+def _pickle_defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {f"torch.{name}": v for name, v in vars(torch).items()
+                           if isinstance(v, torch.dtype)}
+    out.update({"torch.Size": torch.Size, "torch.device": torch.device,
+                "torch.storage._load_from_bytes": _storage_from_bytes,
+                "torch._utils._rebuild_tensor_v2": _tensor_from_storage,
+                "torch._utils._rebuild_parameter": _parameter})
+    return out
+
+
+def pickle_globals() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The torch part of :func:`dcp.core.unpickler.allowed_globals`, by the
+    names ``pickle.dumps`` writes, and the names a user added to torch's
+    own ``weights_only`` allow-list (``torch.serialization.add_safe_globals``).
+
+    Ours: every ``torch.<dtype>``, ``torch.Size``, ``torch.device``, and a
+    tensor or parameter as ``pickle.dumps`` writes it (torch's rebuild
+    functions, checked: :func:`_tensor_from_storage`), its storage read by
+    ``torch.load(weights_only=True)``.  Torch's ``weights_only`` loader
+    allows the same and more (sparse, quantized, nested tensors, subclasses:
+    add them if needed)."""
+    added: dict[str, Any] = {}
+    for entry in torch.serialization.get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (
+            entry, f"{entry.__module__}.{entry.__qualname__}")
+        added[name] = obj
+    return _pickle_defaults(), added
 
 
 def describe(fqn: str, value: Any) -> LocalChunk:

@@ -35,7 +35,6 @@ import functools
 import hashlib
 import io
 import os
-import pickle
 import threading
 import uuid
 from collections import defaultdict
@@ -48,7 +47,7 @@ from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core import devices, read_plan, tensors
+from dcp.core import devices, read_plan, tensors, unpickler
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
@@ -772,7 +771,7 @@ class _Load:
                         f"{fqn!r} is stored pickled; loading it can run code, so it needs "
                         f"allow_pickle=True (only for checkpoints you trust)")
                 blob = self._read_blob(fqn, saved.pickled, "pickled")
-                value = pickle.loads(blob)  # opted in by allow_pickle=True
+                value = unpickler.loads(blob, f"{fqn!r} (file {saved.pickled.file!r})")
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
@@ -862,8 +861,10 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             :attr:`LoadReport.missing_keys` and left untouched.
         allow_dtype_cast: cast when the saved dtype differs from the
             target's, instead of raising.
-        allow_pickle: unpickle values saved with ``allow_pickle=True``
-            (runs code from the checkpoint: trusted checkpoints only).
+        allow_pickle: unpickle values saved with ``allow_pickle=True``,
+            resolving only the globals :mod:`dcp.core.unpickler` allows
+            (containers, scalars, numpy and torch values; add others with
+            ``torch.serialization.add_safe_globals``).
         planner, storage, process_group, storage_options: as for
             :func:`dcp.save`.  The default planner reads each region once
             per replica group (per host where the storage's cache is
