@@ -63,7 +63,7 @@ from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError
 from dcp.orchestration.gc_pause import gc_paused
-from dcp.orchestration.save import SaveState, _Save
+from dcp.orchestration.save import BeforeCommit, SaveState, _Save
 
 #: The exit code of a worker that found itself re-running the training
 #: script's unguarded code (:func:`refuse_main_rerun`).
@@ -103,6 +103,7 @@ class SaveJob:
     planner: SavePlanner | None
     coordination: str
     overwrite: bool
+    before_commit: BeforeCommit | None
     json_values: dict[str, str]
     pickled: dict[str, bytes]
     rank: int
@@ -324,8 +325,8 @@ class _Worker:
                     # like the gloo workers' meeting: no rank starts writing
                     # while another still stages (nor past a staging failure)
                     coord.run_all("waiting for every rank to stage", describe)
-                done = self.cache.save(_Save(describe, storage, planner, coord, job.overwrite),
-                                       job.save_id)
+                done = self.cache.save(_Save(describe, storage, planner, coord, job.overwrite,
+                                             job.before_commit), job.save_id)
                 self.group_ok = job.coordination == "gloo"
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
