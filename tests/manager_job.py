@@ -39,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dcp  # noqa: E402
+from dcp.asynchronous.async_save import _savers  # noqa: E402  # the background process's pid
 
 
 class AppState:
@@ -131,8 +132,6 @@ def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | N
                 mgr.save(step, state)
             if step == kill_trainers_at:
                 saved = digest(model, optim, loader)  # what the save captured: nothing moved
-                from dcp.asynchronous.async_save import _savers
-
                 _wait_writing(root, step, rank, options)
                 log.write(json.dumps({"killed": step, "digest": saved, "worker": next(
                     iter(_savers.values())).worker.process.pid}) + "\n")

@@ -360,9 +360,9 @@ def test_the_pointer_names_each_step_before_its_commit_and_moves_only_forward(tm
                        before_commit=NamePointer(str(root), 10))
 
 
-def _flip_byte(path: Path, at: int = 0) -> None:
+def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    data[at] ^= 0x40
+    data[0] ^= 0x40
     path.write_bytes(bytes(data))
 
 
@@ -416,7 +416,6 @@ def test_a_corrupt_step_is_marked_bad_listed_verified_and_pruned(tmp_path, capsy
     assert main(["prune", str(root), "--min-age", "0"]) == 0
     assert f"{root}: deleted step(s) 10 (marked bad)" in capsys.readouterr().out
     assert _steps_on_disk(root) == [5]  # step-12 emptied and removed too
-    assert mgr.steps() == [5]
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "prune     delete what killed saves left, steps marked bad, and old" in \

@@ -19,8 +19,8 @@ requests (the pointer and one existence check), three while ``T`` is in
 flight or after its save failed, however many steps the root holds
 (torchtitan lists every step folder and probes each).  A missing, garbled or
 inconsistent pointer (neither step complete; an older hyperdcp's, without
-``previous``) falls back to one listing of the root.  If the pointer cannot be written, the save fails: nothing is
-committed that no reader could find.
+``previous``) falls back to one listing of the root.  If the pointer cannot
+be written, the save fails: nothing is committed that no reader could find.
 
 **Forward only.**  The action refuses to commit ``T`` when a step ``>= T`` is
 complete already: a background save of an earlier job still running when a
@@ -215,8 +215,9 @@ def prune_steps(root: str, preservation: Preservation, storage_options: dict | N
     """Delete the committed steps under ``root`` that ``preservation`` lets
     go (never the newest, never ``in_flight``), the files of incomplete
     steps older than the newest complete one (bad steps among them) and
-    stale marks; returns the steps deleted.  ``metrics``: known metrics by step (others are read
-    from the metadata when the policy asks for metrics)."""
+    stale marks; returns the steps deleted.  ``metrics``: known metrics by
+    step (others are read from the metadata when the policy asks for
+    metrics)."""
     options = storage_options or {}
     storage = open_storage(root, **options)
     names = storage.list_files()
