@@ -69,8 +69,12 @@ def test_pickled_values_round_trip_only_with_allow_pickle_on_load(tmp_path):
     assert "obj" in msg or "tags" in msg, f"error does not name a pickled fqn: {msg!r}"
     assert target["obj"] is None and target["tags"] is None
 
+    # a class of the user's own is not on the unpickler's allow-list until added
+    with pytest.raises(dcp.CheckpointError, match="'test_errors.Custom'"):
+        dcp.load(target, ckpt, allow_pickle=True)
     target = {"w": torch.zeros(3, 2), "obj": None, "tags": None}
-    dcp.load(target, ckpt, allow_pickle=True)
+    with torch.serialization.safe_globals([Custom]):
+        dcp.load(target, ckpt, allow_pickle=True)
     assert target["obj"] == Custom(5)
     assert target["tags"] == {"a", "b"}
     assert_bitwise_equal(target["w"], w)
@@ -92,9 +96,12 @@ def test_pickle_payload_in_checkpoint_not_executed_without_allow_pickle(tmp_path
     dcp.load(target, ckpt, strict=False)
     assert not marker.exists(), "non-strict load of other keys executed a pickle payload"
 
-    # The payload is live: with allow_pickle=True it does run (so the asserts
-    # above can fail).
-    dcp.load({"w": torch.zeros(2), "evil": None}, ckpt, allow_pickle=True)
+    # With allow_pickle=True the restricted unpickler refuses its global ...
+    with pytest.raises(dcp.CheckpointError, match=r"'evil'.*'pathlib\.Path\.touch'"):
+        dcp.load({"w": torch.zeros(2), "evil": None}, ckpt, allow_pickle=True)
+    assert not marker.exists(), "load with allow_pickle executed a pickle payload"
+    # ... and the payload is live: plain pickle runs it (so the asserts above can fail).
+    pickle.loads(pickle.dumps(TouchOnUnpickle(marker)))
     assert marker.exists()
 
 
@@ -422,9 +429,13 @@ def test_crafted_metadata_turning_json_value_into_pickle_is_refused(tmp_path):
         dcp.load({"w": torch.zeros(4, 4), "cfg": {"lr": 0.0}}, str(ckpt), strict=False)
     assert not marker.exists(), "non-strict load without allow_pickle executed a crafted pickle"
 
-    # The crafted metadata is otherwise valid: opting in does run the payload,
-    # so the refusal above is the allow_pickle guard, not some other error.
-    dcp.load({"w": torch.zeros(4, 4), "cfg": {"lr": 0.0}}, str(ckpt), allow_pickle=True)
+    # The crafted metadata is otherwise valid: opting in reaches the pickle,
+    # whose global the restricted unpickler refuses, so the refusal above is
+    # the allow_pickle guard, not some other error; plain pickle runs it.
+    with pytest.raises(dcp.CheckpointError, match=r"'cfg.lr'.*'pathlib\.Path\.touch'"):
+        dcp.load({"w": torch.zeros(4, 4), "cfg": {"lr": 0.0}}, str(ckpt), allow_pickle=True)
+    assert not marker.exists(), "load with allow_pickle executed a crafted pickle"
+    pickle.loads(blob)
     assert marker.exists()
 
 

@@ -51,6 +51,10 @@ def is_rank_metadata_file(name: str) -> bool:
     return len(name) == len("metadata.rank00000.json") and name.startswith("metadata.rank") \
         and name[13:18].isdigit() and name.endswith(".json")
 CHECKSUM = "crc32c"
+#: Most dimensions of a tensor, and the bound below which every size,
+#: offset and byte count of the metadata lies (:func:`decode` refuses more).
+MAX_DIMS = 64
+MAX_INT = 2**62
 #: The chunk table's checksum for a chunk that has none (``ChunkMeta.checksum
 #: is None``); CRC-32C values are never negative.
 NO_CHECKSUM = -1
@@ -389,15 +393,15 @@ def _fail(where: str, problem: str) -> NoReturn:
     raise CorruptCheckpointError(f"{where}: invalid metadata: {problem}")
 
 
-def _int(value, where: str, what: str, low: int = 0, high: int = 2**62) -> int:
+def _int(value, where: str, what: str, low: int = 0, high: int = MAX_INT) -> int:
     if type(value) is not int or not low <= value < high:
         _fail(where, f"{what} must be an integer in [{low}, {high}), got {value!r:.40}")
     return value
 
 
 def _ints(value, where: str, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or len(value) > 64:
-        _fail(where, f"{what} must be a list of at most 64 integers")
+    if not isinstance(value, list) or len(value) > MAX_DIMS:
+        _fail(where, f"{what} must be a list of at most {MAX_DIMS} integers")
     return tuple(_int(v, where, what) for v in value)
 
 
@@ -514,7 +518,7 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     if rows and not (columns["file"].min() >= 0 and columns["file"].max() < len(files)):
         _fail(where, f"a chunk names a file index outside the {len(files)} files")
     for name in ("byte_offset", "rank", "offsets", "sizes"):
-        if len(columns[name]) and not (columns[name].min() >= 0 and columns[name].max() < 2**62):
+        if len(columns[name]) and not (columns[name].min() >= 0 and columns[name].max() < MAX_INT):
             _fail(where, f"chunk_table.{name} holds a value outside [0, 2**62)")
     crcs = columns["checksum"]
     if rows and not (crcs.min() >= NO_CHECKSUM and crcs.max() < 2**32):

@@ -25,17 +25,22 @@ A DTensor on a mesh that does not contain the calling rank is skipped on
 that rank, as PyTorch DCP does: it offers nothing to save, and its load
 target is an empty box.  A tensor on the ``meta`` device holds no values:
 it is refused on save, and on load it is replaced by a real tensor of the
-saved dtype (:func:`materialize`).
+saved dtype (:func:`materialize`), on the device the load names (by default
+the current accelerator, else the host).
 
-Device tensors reach host memory through ``Tensor.to("cpu")``, which works
-for any torch device (CUDA, Ascend NPU through ``torch_npu``, ...), so no
-device type is hard-coded.
+Accelerator tensors (CUDA, Ascend NPU through ``torch_npu``, ...) move
+through generic torch calls (``Tensor.to``, ``Tensor.copy_``), so no device
+type is hard-coded; where the copies run and into which host memory is
+:mod:`dcp.core.devices`'.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import io
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +50,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dcp.core import devices
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.errors import CheckpointError, UnsupportedDtypeError
 
@@ -110,6 +116,78 @@ def dtype_name(dtype: torch.dtype, fqn: str) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a checkpoint dtype name."""
     return _DTYPES[name]
+
+
+def _storage_from_bytes(data: bytes) -> torch.storage.TypedStorage:
+    """``torch.storage._load_from_bytes``, which ``pickle.dumps`` of a tensor
+    names for its storage: the ``torch.save`` bytes read by torch's
+    ``weights_only`` loader (torch's runs its full unpickler)."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"a storage from a {type(data).__name__}")
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise TypeError(f"a storage pickle holding a {type(storage).__name__}")
+    return storage
+
+
+def _tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                         hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` with its view checked to lie
+    inside the storage (torch's ``set_`` grows the storage to fit any view:
+    memory without bound), non-negative strides, and no backward hooks."""
+    if not (isinstance(storage, torch.storage.TypedStorage) and type(offset) is int
+            and isinstance(size, tuple) and isinstance(stride, tuple)
+            and len(size) == len(stride) <= 64
+            and all(type(v) is int and v >= 0 for v in (offset, *size, *stride))
+            and type(requires_grad) is bool and not hooks
+            and (metadata is None or isinstance(metadata, dict))):
+        raise TypeError(f"a tensor rebuilt from ({type(storage).__name__}, {offset!r:.20}, "
+                        f"{size!r:.40}, {stride!r:.40}, ...)")
+    end = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1 \
+        if all(size) else offset
+    elements = storage._untyped_storage.nbytes() // storage.dtype.itemsize  # no deprecation warning
+    if end > elements:
+        raise ValueError(f"a view {list(size)}, strides {list(stride)}, offset {offset} of a "
+                         f"storage of {elements} elements")
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+                                           OrderedDict(), metadata)
+
+
+def _parameter(data: Any, requires_grad: Any, hooks: Any) -> torch.nn.Parameter:
+    """``torch._utils._rebuild_parameter``, without backward hooks."""
+    if not isinstance(data, torch.Tensor) or type(requires_grad) is not bool or hooks:
+        raise TypeError(f"a parameter of a {type(data).__name__}")
+    return torch.nn.Parameter(data, requires_grad)
+
+
+@functools.cache
+def _pickle_defaults() -> dict[str, Any]:
+    out: dict[str, Any] = {f"torch.{name}": v for name, v in vars(torch).items()
+                           if isinstance(v, torch.dtype)}
+    out.update({"torch.Size": torch.Size, "torch.device": torch.device,
+                "torch.storage._load_from_bytes": _storage_from_bytes,
+                "torch._utils._rebuild_tensor_v2": _tensor_from_storage,
+                "torch._utils._rebuild_parameter": _parameter})
+    return out
+
+
+def pickle_globals() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The torch part of :func:`dcp.core.unpickler.allowed_globals`, by the
+    names ``pickle.dumps`` writes, and the names a user added to torch's
+    own ``weights_only`` allow-list (``torch.serialization.add_safe_globals``).
+
+    Ours: every ``torch.<dtype>``, ``torch.Size``, ``torch.device``, and a
+    tensor or parameter as ``pickle.dumps`` writes it (torch's rebuild
+    functions, checked: :func:`_tensor_from_storage`), its storage read by
+    ``torch.load(weights_only=True)``.  Torch's ``weights_only`` loader
+    allows the same and more (sparse, quantized, nested tensors, subclasses:
+    add them if needed)."""
+    added: dict[str, Any] = {}
+    for entry in torch.serialization.get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (
+            entry, f"{entry.__module__}.{entry.__qualname__}")
+        added[name] = obj
+    return _pickle_defaults(), added
 
 
 def describe(fqn: str, value: Any) -> LocalChunk:
@@ -217,36 +295,53 @@ def is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
-def materialize(value: Any, dtype: str) -> Any:
-    """A host tensor-like leaf laid out like ``value`` (same kind, shape,
+def _materialize_device(value: Any, device: Any) -> torch.device:
+    """``device`` if given, else the current accelerator with its index
+    (:func:`dcp.core.devices.current_device`) — for a DTensor, if its mesh
+    is on that accelerator's type — else the host."""
+    if device is not None:
+        return torch.device(device)
+    current = devices.current_device()
+    if current is None or (isinstance(value, DTensor)
+                           and value.device_mesh.device_type != current.type):
+        return torch.device("cpu")
+    return current
+
+
+def materialize(value: Any, dtype: str, device: Any = None) -> Any:
+    """A tensor-like leaf laid out like ``value`` (same kind, shape,
     placements) whose values are uninitialized, of checkpoint dtype
-    ``dtype``: the target that replaces a meta-device one."""
+    ``dtype``: the target that replaces a meta-device one.  It lives on
+    ``device`` (a ``torch.device`` or its name), by default on the current
+    accelerator with its index, else on the host (as torch DCP puts it on
+    its group's device; a DTensor of a host mesh stays on the host)."""
     dt = _DTYPES[dtype]
+    device = _materialize_device(value, device)
     if isinstance(value, TensorShard):
-        return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt), value.global_shape,
-                           value.global_offsets)
+        return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt, device=device),
+                           value.global_shape, value.global_offsets)
     if isinstance(value, ShardedTensor):
         from torch.distributed import _remote_device
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard
 
-        def on_host(m: ShardMetadata) -> ShardMetadata:
+        def placed(m: ShardMetadata) -> ShardMetadata:
             rank = m.placement.rank() if m.placement is not None else None
             return ShardMetadata(m.shard_offsets, m.shard_sizes,
-                                 _remote_device(f"rank:{rank}/cpu"))
+                                 _remote_device(f"rank:{rank}/{device}"))
 
-        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt), on_host(s.metadata))
-                  for s in value.local_shards()]
+        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt, device=device),
+                        placed(s.metadata)) for s in value.local_shards()]
         metadata = copy.deepcopy(value.metadata())
-        metadata.shards_metadata = [on_host(m) for m in metadata.shards_metadata]
+        metadata.shards_metadata = [placed(m) for m in metadata.shards_metadata]
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)
     if isinstance(value, DTensor):
-        local = torch.empty(tuple(value._local_tensor.shape), dtype=dt)
+        local = torch.empty(tuple(value._local_tensor.shape), dtype=dt, device=device)
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
-    return torch.empty(tuple(value.shape), dtype=dt)
+    return torch.empty(tuple(value.shape), dtype=dt, device=device)
 
 
 def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
@@ -302,17 +397,21 @@ def is_direct_target(view: torch.Tensor, dtype: str) -> bool:
 
 
 def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dest`` in place (casting dtype, moving device)."""
+    """Copy ``src`` into ``dest`` in place (casting dtype, moving device).
+    Into an accelerator tensor the copy is queued on the current stream
+    (``non_blocking``): work queued there later sees its values; host
+    memory ``src`` in pageable memory may be reused at once (the runtime
+    stages it), page-locked ``src`` only once the stream has passed the
+    copy (:meth:`dcp.core.devices.CallerStreams.record`)."""
     with torch.no_grad():
-        dest.copy_(src)
+        dest.copy_(src, non_blocking=devices.is_accelerator(dest.device))
 
 
-def flat_bytes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def flat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
     """The bytes of contiguous host tensors, concatenated into one flat uint8
-    tensor on ``device`` (no copy for a single host part)."""
+    host tensor (no copy for a single part)."""
     flat = [p.reshape(-1).view(torch.uint8) for p in parts]
-    out = flat[0] if len(flat) == 1 else torch.cat(flat)
-    return out.to(device)
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def bytes_of(view: memoryview) -> torch.Tensor:
@@ -333,8 +432,11 @@ def readonly_view(view: memoryview, dtype: str, sizes: Sequence[int]) -> torch.T
     return from_bytes(flat, dtype, sizes)
 
 
-def empty_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized flat uint8 host tensor of ``nbytes``."""
+def empty_bytes(nbytes: int, pinned: bool = False) -> torch.Tensor:
+    """An uninitialized flat uint8 host tensor of ``nbytes``, page-locked
+    (from torch's cached pinned allocator) if ``pinned``."""
+    if pinned:
+        return devices.pinned_empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -343,9 +445,9 @@ def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def zeros_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A flat uint8 tensor of ``nbytes`` zeros on ``device``."""
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+def zeros_bytes(nbytes: int) -> torch.Tensor:
+    """A flat uint8 host tensor of ``nbytes`` zeros."""
+    return torch.zeros(nbytes, dtype=torch.uint8)
 
 
 def from_bytes(flat: torch.Tensor, dtype: str, sizes: Sequence[int]) -> torch.Tensor:

@@ -72,6 +72,8 @@ import torch
 
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
+    MAX_DIMS,
+    MAX_INT,
     METADATA_FILE,
     ChunkMeta,
     Metadata,
@@ -128,8 +130,6 @@ _CIPHER_MAGICS = {b"\xd8\x5e\x3a\x7f": "AES-GCM", b"\xd9\x5e\x3a\x7f": "AES-CBC"
                   b"\xda\x5e\x3a\x7f": "SM4-CBC"}
 #: Largest tag, type name or string value read into memory (bytes).
 MAX_FIELD_BYTES = 64 << 20
-#: Most dims a tensor may have.
-MAX_DIMS = 64
 _BLOCK = 64 << 10  # bytes the reader fetches at once (a header, and small tensors with it)
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5  # protobuf wire types
 
@@ -504,6 +504,8 @@ class MindSporeCkpt(ReadOnlyView):
         dtype = MINDSPORE_DTYPES[record.type]
         if any(d >= 1 << 63 for d in record.dims):
             raise CorruptCheckpointError(f"{at}: negative dims {record.dims}")
+        if any(d >= MAX_INT for d in record.dims):  # beyond what a checkpoint's metadata holds
+            raise CorruptCheckpointError(f"{at}: dims {record.dims} beyond 2**62")
         shape = tuple(record.dims)
         if shape == (0,) and nbytes == DTYPE_ITEMSIZE[dtype]:
             shape = ()  # MindSpore's loader reads dims [0] as a scalar

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from dcp.coordination.collectives import coordination_group
 from dcp.core import tensors
 from dcp.core.boxes import byte_runs
 from dcp.core.metadata import (
@@ -194,7 +195,9 @@ class Ranks:
     """This process's place among the converting ranks: alone unless a
     process group is passed (a conversion is not collective by default, so
     rank 0 of a job may convert by itself; pass ``dist.group.WORLD`` to
-    share it over the job)."""
+    share it over the job).  ``group`` is the one the ranks' objects travel
+    on (:func:`~dcp.coordination.collectives.coordination_group`: the
+    group passed if it is gloo's, else a gloo group of its ranks)."""
 
     group: object = None
     rank: int = 0
@@ -204,7 +207,8 @@ class Ranks:
     def of(cls, process_group) -> Ranks:
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return cls()
-        return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+        return cls(coordination_group(process_group), dist.get_rank(process_group),
+                   dist.get_world_size(process_group))
 
     def mine(self, k: int) -> bool:
         return k % self.world_size == self.rank
@@ -222,11 +226,8 @@ class Ranks:
         if self.world_size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=self.root(), group=self.group)  # type: ignore[arg-type]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)  # type: ignore[arg-type]
         return box[0]
-
-    def root(self) -> int:
-        return 0 if self.group is None else dist.get_global_rank(self.group, 0)  # type: ignore[arg-type]
 
 
 def run_collectively(ranks: Ranks, work: Callable[[], object],

@@ -50,6 +50,8 @@ import torch
 
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
+    MAX_DIMS,
+    MAX_INT,
     ChunkMeta,
     Metadata,
     TensorMeta,
@@ -94,6 +96,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: Largest header the format allows (bytes).
 MAX_HEADER_BYTES = 100_000_000
+#: Bytes of a header read at once at first; each next read is as large as
+#: all before it, so a header declared larger than its file costs at most
+#: twice the file's bytes before the read past its end fails.
+_HEADER_READ = 1 << 20
 #: Default shard size of an export: the Hugging Face Hub's customary 5 GB.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -172,7 +178,7 @@ class SafetensorsFolder(ReadOnlyView):
         where = self._where(INDEX_FILE)
         try:
             weight_map = json.loads(index)["weight_map"]
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, RecursionError) as e:
             raise CorruptCheckpointError(
                 f"{where}: not an index with a weight_map ({e!r})") from None
         if not isinstance(weight_map, dict) or not all(
@@ -182,7 +188,10 @@ class SafetensorsFolder(ReadOnlyView):
         return files, weight_map
 
     def _read_header(self, name: str) -> tuple[dict, int]:
-        """The JSON header of file ``name`` and the offset of its data."""
+        """The JSON header of file ``name`` and the offset of its data; the
+        header is read in pieces that double (:data:`_HEADER_READ`), so
+        memory follows the bytes the file holds, not the length it
+        declares."""
         where = self._where(name)
         length = bytearray(8)
         try:
@@ -191,15 +200,18 @@ class SafetensorsFolder(ReadOnlyView):
             if size > MAX_HEADER_BYTES:
                 raise CorruptCheckpointError(
                     f"{where}: header length {size} exceeds the format's {MAX_HEADER_BYTES} bytes")
-            raw = bytearray(size)
-            self.inner.read_ranges(name, [(8, memoryview(raw))])
+            raw = bytearray()
+            while len(raw) < size:
+                piece = bytearray(min(size - len(raw), max(len(raw), _HEADER_READ)))
+                self.inner.read_ranges(name, [(8 + len(raw), memoryview(piece))])
+                raw += piece
         except CheckpointError:
             raise
         except Exception as e:
             raise CorruptCheckpointError(f"{where}: cannot read the safetensors header: {e}") from e
         try:
             header = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: header is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise CorruptCheckpointError(f"{where}: header is not a JSON object")
@@ -214,15 +226,20 @@ class SafetensorsFolder(ReadOnlyView):
             raise CheckpointError(
                 f"{where}: dtype {st_dtype} packs several elements per byte; no torch dtype "
                 f"a checkpoint can hold matches it")
-        if st_dtype not in SAFETENSORS_DTYPES:
-            raise CorruptCheckpointError(f"{where}: unknown dtype {st_dtype!r}")
+        if not isinstance(st_dtype, str) or st_dtype not in SAFETENSORS_DTYPES:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {st_dtype!r:.80}")
         dtype = SAFETENSORS_DTYPES[st_dtype]
         shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise CorruptCheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        # sizes and offsets within what a checkpoint's metadata holds
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS
+                and all(type(d) is int and 0 <= d < MAX_INT for d in shape)):
+            raise CorruptCheckpointError(f"{where}: shape {shape!r:.80} is not a list of at most "
+                                         f"{MAX_DIMS} sizes below 2**62")
         if not (isinstance(offsets, list) and len(offsets) == 2
-                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-            raise CorruptCheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end]")
+                and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] < MAX_INT - data_start):
+            raise CorruptCheckpointError(f"{where}: data_offsets {offsets!r:.80} are not [begin, "
+                                         f"end] below 2**62")
         shape = tuple(shape)
         nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
         if offsets[1] - offsets[0] != nbytes:

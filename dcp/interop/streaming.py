@@ -23,7 +23,6 @@ with :class:`~dcp.core.metadata.Metadata`, a safetensors folder included (see
 from __future__ import annotations
 
 import json
-import pickle
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dcp.core import tensors
+from dcp.core import tensors, unpickler
 from dcp.core.boxes import byte_runs
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
@@ -221,16 +220,19 @@ def read_blob(storage: StoragePlugin, fqn: str, ref: BlobRef) -> bytes:
 
 def read_object(storage: StoragePlugin, fqn: str, meta: ObjectMeta, allow_pickle: bool) -> Any:
     """The non-tensor value ``fqn``: its JSON value, or, only with
-    ``allow_pickle``, its unpickled value.  Raises :class:`CheckpointError`
-    naming ``fqn`` for a pickled value without ``allow_pickle``;
-    :class:`CorruptCheckpointError` as :func:`read_blob`."""
+    ``allow_pickle``, its value unpickled by :mod:`dcp.core.unpickler`
+    (allow-listed globals only).  Raises :class:`CheckpointError` naming
+    ``fqn`` for a pickled value without ``allow_pickle`` or one naming a
+    global not allowed; :class:`CorruptCheckpointError` as
+    :func:`read_blob`."""
     if meta.pickled is None:
         return meta.value
     if not allow_pickle:
         raise CheckpointError(
             f"{fqn!r} is stored pickled; reading it needs allow_pickle=True, which unpickles it "
-            f"(runs code from the checkpoint: trusted checkpoints only)")
-    return pickle.loads(read_blob(storage, fqn, meta.pickled))  # opted in by allow_pickle=True
+            f"(allow-listed types only: see dcp.core.unpickler)")
+    return unpickler.loads(read_blob(storage, fqn, meta.pickled),
+                           f"{fqn!r} (file {meta.pickled.file!r})")
 
 
 class CheckpointWriter:

@@ -5,7 +5,7 @@
   (zip) of one tensor that stores its bytes uncompressed.  The archive's
   directory and its small ``data.pkl`` are read (without running the
   pickle: only the tensor's rebuild call is accepted, see
-  :class:`_TensorPickle`) to find where the raw bytes start, so
+  :func:`_tensor_pickle`) to find where the raw bytes start, so
   :class:`TorchDcpFolder` presents the checkpoint as ours and the
   conversion runs as the safetensors import does: budgeted concurrent
   file tasks, optionally shared over a job's ranks
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import pickle
 import struct
 import warnings
 import zipfile
@@ -58,7 +57,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from tqdm import tqdm
 
-from dcp.core import tensors
+from dcp.core import tensors, unpickler
 from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta
 from dcp.core.state_dict import flatten
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
@@ -163,27 +162,27 @@ class _Range(io.RawIOBase):
         self.pos += n
         return n
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most the bytes left in the range: :mod:`zipfile` asks for the
+        sizes an archive declares, and a buffer of a declared size is never
+        allocated beyond what the range holds."""
+        left = max(0, self.length - self.pos)
+        buf = bytearray(left if size is None or size < 0 else min(size, left))
+        return bytes(memoryview(buf)[:self.readinto(buf)])
+
 
 def _rebuild(storage, offset, size, stride, *rest):
     return storage, offset, tuple(size), tuple(stride)
 
 
-class _TensorPickle(pickle.Unpickler):
-    """Reads the ``data.pkl`` of a ``torch.save`` of one tensor without
-    running anything: ``_rebuild_tensor_v2`` gives back its storage's
-    persistent id, offset, size and stride; any other global refuses."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module == "torch" and name.endswith("Storage"):
-            return name
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid):
-        return tuple(pid)
+def _tensor_pickle(data: bytes, where: str) -> tuple:
+    """The ``data.pkl`` of a ``torch.save`` of one tensor, read by the
+    restricted unpickler without running anything: ``_rebuild_tensor_v2``
+    gives back its storage's persistent id, offset, size and stride; any
+    other global refuses."""
+    allowed: dict[str, Any] = {f"torch.{name}": name for name in _STORAGE_DTYPES}
+    allowed.update({"torch._utils._rebuild_tensor_v2": _rebuild, "collections.OrderedDict": dict})
+    return unpickler.loads(data, where, allowed, persistent_load=tuple)
 
 
 def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
@@ -200,15 +199,19 @@ def _raw_offset(storage: StoragePlugin, info: _StorageInfo, dtype: torch.dtype,
             pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
             data = [i for i in infos if "/data/" in i.filename]
             order = [i for i in infos if i.filename.endswith("/byteorder")]
-            if len(pkl) != 1 or len(data) != 1 or (order and z.read(order[0]) != b"little"):
+            if len(pkl) != 1 or len(data) != 1:
                 return "not one little-endian storage"
-            (kind, storage_type, key, _, numel), offset, size, stride = _TensorPickle(
-                io.BytesIO(z.read(pkl[0]))).load()
+            if any(i.compress_type != zipfile.ZIP_STORED for i in (*pkl, *order)):
+                return "compressed records"  # torch.save stores them as they are
+            if order and z.read(order[0]) != b"little":
+                return "not one little-endian storage"
+            (kind, storage_type, key, _, numel), offset, size, stride = _tensor_pickle(
+                z.read(pkl[0]), f"{info.relative_path}: {pkl[0].filename}")
             entry = data[0]
             header = bytearray(30)
             storage.read_ranges(info.relative_path,
                                 [(info.offset + entry.header_offset, memoryview(header))])
-        contiguous = len(stride) == len(size) and all(
+        contiguous = tuple(size) == sizes and len(stride) == len(size) and all(
             stride[d] == math.prod(size[d + 1:]) for d in range(len(size)) if size[d] > 1)
         names = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
         start = entry.header_offset + 30 + names  # within torch's byte range of the chunk
@@ -235,7 +238,7 @@ class TorchDcpFolder(ReadOnlyView):
     checksum.  ``keys`` maps our fqn to torch's key.  :attr:`unreadable`
     names a tensor whose bytes are not stored raw (with the reason), if
     any; its metadata is then incomplete.  Reading the headers runs no
-    pickle code (see :class:`_TensorPickle`)."""
+    pickle code (see :func:`_tensor_pickle`)."""
 
     def __init__(self, local: str, source: Any, keys: dict[str, str]) -> None:
         super().__init__(local, open_storage(local), "PyTorch DCP checkpoint")
@@ -601,7 +604,7 @@ def checkpoint_to_torch_dcp(checkpoint_id: str, path: str, *,
         rename: our fqn -> torch fqn.
         overwrite: replace a PyTorch DCP checkpoint at ``path``.
         allow_pickle: unpickle values we stored pickled, to hand them on
-            (runs code from the checkpoint: trusted checkpoints only).
+            (allow-listed types only: :mod:`dcp.core.unpickler`).
         buffer_bytes: memory budget per process (bytes of tensors held).
         progress: show a progress bar (tqdm, bytes) on stderr.
         process_group: share the export over this group's ranks

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from dcp.asynchronous.async_save import AsyncSaveResponse, async_save
+from dcp.coordination.collectives import coordination_group
 from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
@@ -194,11 +195,8 @@ class CheckpointManager:
             group = process_group if process_group is not None else dist.group.WORLD
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
             self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            if dist.get_backend(group) == "gloo":
-                self._cpu_group = process_group
-            else:  # agree on a CPU group, never the accelerator's communicator
-                ranks = dist.get_process_group_ranks(group)
-                self._cpu_group = dist.new_group(ranks, backend="gloo")
+            # agree on a CPU group, never the accelerator's communicator
+            self._cpu_group = coordination_group(process_group)
         else:
             self.rank, self.world_size, self._src, self._cpu_group = 0, 1, 0, None
         self.dp_rank, self.dp_degree = data_parallel or (self.rank, self.world_size)

@@ -35,7 +35,6 @@ import functools
 import hashlib
 import io
 import os
-import pickle
 import threading
 import uuid
 from collections import defaultdict
@@ -44,11 +43,11 @@ from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
+from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core import read_plan, tensors
+from dcp.core import devices, read_plan, tensors, unpickler
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
@@ -96,9 +95,9 @@ class LoadReport:
     the bytes moved that way — ``"storage"`` (read from storage),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
     on every rank.  ``materialized``: fqns whose target was on the meta
-    device, replaced by a real host tensor of the saved dtype (in the
-    caller's container, or in the state dict handed to a Stateful's
-    ``load_state_dict()``).
+    device, replaced by a real tensor of the saved dtype (on the load's
+    ``device``; in the caller's container, or in the state dict handed to a
+    Stateful's ``load_state_dict()``).
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -178,6 +177,11 @@ class _Load:
         self.whole: set[ReadItem] = set()
         self.forced: set[tuple[str, int]] = set()
         self.staging = threading.local()
+        #: the caller's streams of the targets' accelerator devices (set by
+        #: :meth:`read`): every copy into a target is queued there
+        self.streams = devices.CallerStreams([])
+        #: the load's name in the job, from its first step
+        self.session = ""
 
     #: Called with the metadata before planning, inside the planning step
     #: (so what it raises fails the load on every rank): :func:`load` sets
@@ -200,10 +204,7 @@ class _Load:
             self.metadata, self.requests, self.objects, strict=self.strict,
             allow_dtype_cast=self.allow_dtype_cast)
         plan.host = host_key() if self.host is None else self.host
-        # shared memory only where gloo would carry the bytes through host
-        # memory anyway; NCCL/HCCL keep accelerator targets on the device
-        plan.shared_memory = (self.exchange is not None and bool(plan.host)
-                              and comm_device(self.coord.group).type == "cpu")
+        plan.shared_memory = self.exchange is not None and bool(plan.host)
         plan.shared_cache = self.storage.read_cost.shared_cache
         by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
@@ -223,25 +224,31 @@ class _Load:
         self.forced = {(i.fqn, i.chunk) for i in self.whole}
         runs = self._arriving_runs(plan)
         later = [i for i in plan.cached if i not in runs]
-        with ThreadPoolExecutor(self._read_threads(plan)) as pool:
-            # reads feeding transfers first, in the order the transfers run,
-            # one read call per transfer and file; then the rank's own
-            # regions; last those another rank of the host pulls into the
-            # page cache
-            reads: dict[ReadItem, tuple[Future, int]] = {}
-            futures = []
-            batches = [(t.items, False) for t in sourced]
-            for items, cached in [*batches, (plan.items, False), (later, True)]:
-                todo = [i for i in dict.fromkeys(items) if i not in reads]
-                for name, group in self._by_file(todo).items():
-                    futures.append(pool.submit(self._read_file, name, group, cached, keep))
-                    reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
-            if plan.transfers:
-                self._run_transfers(plan, reads)
-            if runs:
-                futures += self._read_arriving(runs, futures, pool)
-            for future in futures:
-                future.result()
+        self.streams = devices.CallerStreams([t.data for t in self.targets])
+        # the pool's copies into accelerator targets run on the caller's streams
+        with ThreadPoolExecutor(self._read_threads(plan), initializer=self.streams.enter) as pool:
+            try:
+                # reads feeding transfers first, in the order the transfers
+                # run, one read call per transfer and file; then the rank's
+                # own regions; last those another rank of the host pulls
+                # into the page cache
+                reads: dict[ReadItem, tuple[Future, int]] = {}
+                futures = []
+                batches = [(t.items, False) for t in sourced]
+                for items, cached in [*batches, (plan.items, False), (later, True)]:
+                    todo = [i for i in dict.fromkeys(items) if i not in reads]
+                    for name, group in self._by_file(todo).items():
+                        futures.append(pool.submit(self._read_file, name, group, cached, keep))
+                        reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
+                if plan.transfers:
+                    self._run_transfers(plan, reads)
+                if runs:
+                    futures += self._read_arriving(runs, futures, pool)
+                for future in futures:
+                    future.result()
+            except BaseException:  # reads not started are dropped; the pool is joined
+                pool.shutdown(cancel_futures=True)
+                raise
         self._load_objects()
 
     def _arriving_runs(self, plan: LoadPlan) -> dict[ReadItem, tuple[int, memoryview]]:
@@ -384,42 +391,58 @@ class _Load:
         return self.exchange
 
     def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
-        """Send what this rank read, receive the rest; a failure is raised
-        only after every transfer ran, so no member is left waiting."""
+        """Send what this rank read, receive the rest; a failure of a
+        transfer is raised only after every transfer ran, so no member is
+        left waiting.  Any other failure withdraws what the publisher has
+        not handed over yet (:meth:`HostExchange.abort`), so that its thread
+        ends; it is joined on every path."""
         failures: list[Exception] = []
-        device = comm_device(self.coord.group)
         me = self.coord.rank
         exchange = self._host_exchange
         published = [t for t in plan.transfers if t.shared_memory and t.src == me]
         publisher = threading.Thread(target=self._publish, args=(published, reads, failures),
                                      name="dcp-host-exchange")
         publisher.start()
-        with ReplicaGroups(plan.groups, self.coord.group, self.coord.world_size) as groups:
-            sender = Broadcaster(groups, self.max_inflight_bytes)
-            for transfer in plan.transfers:
-                if transfer.shared_memory:
-                    if transfer.src != me:
-                        try:
-                            exchange.receive(_key(transfer), transfer.src,
-                                             functools.partial(self._unpack_view, transfer))
-                        except Exception as e:  # raised after all transfers ran
-                            failures.append(e)
-                elif transfer.src == me:
-                    try:
-                        buffer = tensors.flat_bytes(
-                            [self._region(reads, i) for i in transfer.items], device)
-                    except Exception as e:  # raised after all transfers ran
-                        failures.append(e)
-                        buffer = tensors.zeros_bytes(transfer.nbytes, device)
-                    sender.start(transfer.ranks, transfer.src, buffer, lambda: None)
-                else:
-                    buffer = tensors.zeros_bytes(transfer.nbytes, device)
-                    sender.start(transfer.ranks, transfer.src, buffer,
-                                 functools.partial(self._unpack, transfer, buffer, failures))
-            sender.finish()
-        publisher.join()
+        try:
+            with ReplicaGroups(plan.groups, self.coord.group, self.coord.members,
+                               self.session) as groups:
+                sender = Broadcaster(groups, self.max_inflight_bytes)
+                for transfer in plan.transfers:
+                    self._transfer(transfer, reads, sender, failures)
+                sender.finish()
+        except BaseException:
+            exchange.abort()
+            raise
+        finally:
+            publisher.join()
         if failures:
             raise failures[0]
+
+    def _transfer(self, transfer: Transfer, reads: dict, sender: Broadcaster,
+                  failures: list[Exception]) -> None:
+        """This rank's part of one transfer: receive it from shared memory,
+        or start its broadcast (host buffers, over gloo); a failure to read
+        or unpack is added to ``failures`` (a source that cannot read sends
+        zeros, so its receivers are not left waiting)."""
+        me = self.coord.rank
+        if transfer.shared_memory:
+            if transfer.src != me:
+                try:
+                    self._host_exchange.receive(_key(transfer), transfer.src,
+                                                functools.partial(self._unpack_view, transfer))
+                except Exception as e:  # raised after all transfers ran
+                    failures.append(e)
+        elif transfer.src == me:
+            try:
+                buffer = tensors.flat_bytes([self._region(reads, i) for i in transfer.items])
+            except Exception as e:  # raised after all transfers ran
+                failures.append(e)
+                buffer = tensors.zeros_bytes(transfer.nbytes)
+            sender.start(transfer.ranks, transfer.src, buffer, lambda: None)
+        else:
+            buffer = tensors.zeros_bytes(transfer.nbytes)
+            sender.start(transfer.ranks, transfer.src, buffer,
+                         functools.partial(self._unpack, transfer, buffer, failures))
 
     def _publish(self, transfers: list[Transfer], reads: dict,
                  failures: list[Exception]) -> None:
@@ -628,10 +651,16 @@ class _Load:
         return runs
 
     def _staging(self, nbytes: int):
-        """This thread's reused staging memory, at least ``nbytes`` long."""
-        buf = getattr(self.staging, "buf", None)
+        """This thread's reused staging memory, at least ``nbytes`` long:
+        page-locked where targets are on an accelerator, once the copies
+        out of its last use have run (:meth:`_read_wave`)."""
+        local = self.staging
+        for event in getattr(local, "events", ()):
+            event.synchronize()
+        local.events = []
+        buf = getattr(local, "buf", None)
         if buf is None or buf.numel() < nbytes:
-            buf = self.staging.buf = tensors.empty_bytes(nbytes)
+            buf = local.buf = tensors.empty_bytes(nbytes, pinned=bool(self.streams))
         return buf
 
     def _read_wave(self, name: str, items: list[ReadItem], sinks: list[_Sink], cached: bool,
@@ -663,6 +692,8 @@ class _Load:
             self.counts[cached][1] += len(requests)
         for sink, view in zip(sinks, views, strict=True):
             self._finish(sink, view, items, keep, out)
+        if self.streams:  # copies into accelerator targets queued: reuse the staging after them
+            self.staging.events = self.streams.record()
 
     def _fetch(self, fqn: str, chunk, ranges) -> None:
         try:
@@ -746,15 +777,15 @@ class _Load:
                         f"{fqn!r} is stored pickled; loading it can run code, so it needs "
                         f"allow_pickle=True (only for checkpoints you trust)")
                 blob = self._read_blob(fqn, saved.pickled, "pickled")
-                value = pickle.loads(blob)  # opted in by allow_pickle=True
+                value = unpickler.loads(blob, f"{fqn!r} (file {saved.pickled.file!r})")
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
-        data, session = self.coord.broadcast(
+        data, self.session = self.coord.broadcast(
             "load: reading metadata", lambda: (read_metadata_bytes(self.storage), uuid.uuid4().hex))
         self.metadata = decode(data, f"{checkpoint_id}/{METADATA_FILE}")
         if self.coord.world_size > 1:
-            self.exchange = HostExchange(session, self.coord.rank, self.max_inflight_bytes)
+            self.exchange = HostExchange(self.session, self.coord.rank, self.max_inflight_bytes)
         plan = self.coord.gather_scatter("load planning", self.local_plan,
                                          self.planner.create_global_plan)
         try:
@@ -806,7 +837,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
          planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
          process_group=None, storage_options: dict | None = None,
          max_inflight_bytes: int = 256 << 20, verify: str = "chunks",
-         host: str | None = None) -> LoadReport:
+         host: str | None = None, device: Any = None) -> LoadReport:
     """Fill ``state_dict`` in place from a checkpoint; collective over the group.
 
     The target's layout may differ from the saved one (other world size,
@@ -819,8 +850,14 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     is loaded through its ``state_dict()``, whose tensors are the in-place
     targets; once every read has finished its ``load_state_dict()`` is called
     with the loaded values.  A target on the meta device is replaced by a
-    real host tensor of the saved dtype and listed in
+    real tensor of the saved dtype on ``device`` and listed in
     :attr:`LoadReport.materialized`; one the checkpoint lacks raises.
+
+    Copies into accelerator targets are queued on the caller's current
+    stream of each target's device (``torch.accelerator.current_stream``):
+    work queued on that stream after the call sees the loaded values
+    without a synchronization; another stream must wait for it first
+    (``docs/devices.md``).
 
     Args:
         state_dict: the target, structured like the saved one.
@@ -830,8 +867,10 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             :attr:`LoadReport.missing_keys` and left untouched.
         allow_dtype_cast: cast when the saved dtype differs from the
             target's, instead of raising.
-        allow_pickle: unpickle values saved with ``allow_pickle=True``
-            (runs code from the checkpoint: trusted checkpoints only).
+        allow_pickle: unpickle values saved with ``allow_pickle=True``,
+            resolving only the globals :mod:`dcp.core.unpickler` allows
+            (containers, scalars, numpy and torch values; add others with
+            ``torch.serialization.add_safe_globals``).
         planner, storage, process_group, storage_options: as for
             :func:`dcp.save`.  The default planner reads each region once
             per replica group (per host where the storage's cache is
@@ -852,6 +891,10 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             storage's page cache and host shared memory.  Default: derived
             from the kernel's boot id and the ``/dev/shm`` mount.  Tests
             pass it to simulate several hosts on one machine.
+        device: where targets on the meta device are materialized
+            (``torch.device`` or its name); default: the current
+            accelerator with its index (``cuda:3``), for a DTensor its
+            mesh's device type, else the host.
 
     A save to ``checkpoint_id`` still in flight in this process
     (:func:`dcp.async_save`) is waited for first.
@@ -869,7 +912,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     if planner is None:
         planner = default_planner("load")
-    prepared = targets.Targets(state_dict)
+    prepared = targets.Targets(state_dict, device)
     job = _Load(prepared.state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify, host)
     job.before_planning = prepared.before_planning

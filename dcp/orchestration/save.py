@@ -6,10 +6,13 @@ failure anywhere fails the save on every rank:
 1. *planning* — every rank describes what it holds; the coordinator refuses
    to replace a committed checkpoint unless ``overwrite=True``, and the save
    planner deduplicates and balances the chunks;
-2. *writing* — every rank writes its chunks into ``thread_count``
-   size-balanced files in parallel, computing each chunk's CRC-32C as it goes,
-   and fingerprints the replicas it holds but does not write
-   (:func:`fingerprint`);
+2. *writing* — every rank stages what it writes from accelerators into
+   reused page-locked host memory, on the caller's current streams
+   (:class:`dcp.core.devices.HostStaging`), then writes its chunks into
+   ``thread_count`` size-balanced files in parallel, computing each chunk's
+   CRC-32C as it goes, and fingerprints the replicas it holds but does not
+   write (:func:`fingerprint`; of an accelerator replica only the sample
+   crosses to the host);
 3. *commit* — the coordinator checks that every replica of a chunk has the
    same fingerprint, builds the metadata, runs the caller's
    ``before_commit`` action with it (a checkpoint manager names the step in
@@ -45,7 +48,7 @@ import numpy as np
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
-from dcp.core import mindspore_tensors, stateful, tensors
+from dcp.core import devices, mindspore_tensors, stateful, tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
     METADATA_FILE,
@@ -81,11 +84,28 @@ _plan_caches: dict[tuple[int, ...], PlanCache] = {}
 REPLICA_SAMPLE_BYTES = 1 << 20
 _SAMPLE_PIECES = 256
 
+#: Host memory the accelerator bytes of :func:`save` are staged into,
+#: page-locked and kept for the next save of the process.
+_host_staging = devices.HostStaging()
+
+
+def sample_ranges(nbytes: int) -> list[tuple[int, int]]:
+    """The ``(start, length)`` byte ranges of a chunk of ``nbytes`` that
+    :func:`fingerprint` hashes: all of it up to :data:`REPLICA_SAMPLE_BYTES`,
+    else 256 evenly spaced 4 KiB pieces (the first starts the chunk, the
+    last ends it)."""
+    if nbytes <= REPLICA_SAMPLE_BYTES:
+        return [(0, nbytes)]
+    piece = REPLICA_SAMPLE_BYTES // _SAMPLE_PIECES
+    return [(i * (nbytes - piece) // (_SAMPLE_PIECES - 1), piece) for i in range(_SAMPLE_PIECES)]
+
 
 def fingerprint(buffer: memoryview) -> int:
     """What replicas of a chunk are compared by: the CRC-32C of its bytes, or,
     for a chunk over :data:`REPLICA_SAMPLE_BYTES`, of 256 evenly spaced 4 KiB
-    pieces of them.
+    pieces of them (:func:`sample_ranges`), which equals the CRC-32C of the
+    pieces put end to end (:func:`dcp.core.devices.byte_sample` gathers them
+    on an accelerator).
 
     Hashing every replica in full would cost every holder a pass over all
     its replicated bytes (measured: 2.5x the time of a replicated save at
@@ -93,13 +113,9 @@ def fingerprint(buffer: memoryview) -> int:
     all-reduce) differ throughout and are caught by the sample, while a
     difference confined to a few elements of a large chunk can escape it.
     """
-    if len(buffer) <= REPLICA_SAMPLE_BYTES:
-        return checksum(buffer)
-    piece = REPLICA_SAMPLE_BYTES // _SAMPLE_PIECES
     value = 0
-    for i in range(_SAMPLE_PIECES):  # the first piece starts the chunk, the last ends it
-        start = i * (len(buffer) - piece) // (_SAMPLE_PIECES - 1)
-        value = checksum(buffer[start:start + piece], value)
+    for start, length in sample_ranges(len(buffer)):
+        value = checksum(buffer[start:start + length], value)
     return value
 
 
@@ -501,6 +517,10 @@ class _Save:
         self.written: list[str] = []
         self.decls: dict[str, TensorDecl] = {}
         self._by_fqn: dict[str, list[tensors.LocalChunk]] | None = None  # built for pieces
+        #: host copies of the accelerator items this rank writes, by
+        #: ``(fqn, offsets)``, and the samples of its accelerator replicas
+        self.staged: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self.samples: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     # -- phase 1: planning
     def offered(self) -> SavePlan:
@@ -551,6 +571,7 @@ class _Save:
         self.written = names
         replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
+        self._stage(plan.items, replicas)
         workers = max(1, self.storage.thread_count)
         # checksums, and the fingerprints of the replicas this rank does not
         # write, are computed on their own threads while the bytes are written
@@ -567,17 +588,44 @@ class _Save:
                 result.replicas.update(future.result())
         return result
 
+    def _stage(self, items: list[WriteItem], replicas: list) -> None:
+        """On the caller's thread, before any writer starts: copy what this
+        rank writes from accelerators, and the samples of the accelerator
+        replicas it fingerprints (:func:`sample_ranges`, gathered on the
+        device), into the process's reused page-locked staging
+        (:class:`dcp.core.devices.HostStaging`).  The copies run on the
+        caller's current streams, so what the caller queued before the call
+        is what is saved."""
+        keys: list[tuple[bool, tuple[str, tuple[int, ...]]]] = []
+        sources = []
+        for item in items:
+            source = self._source(item)
+            if devices.is_accelerator(source.device):
+                keys.append((False, (item.fqn, item.offsets)))
+                sources.append(source)
+        for key in replicas:
+            data = self.state.chunks[key].data
+            if devices.is_accelerator(data.device):
+                keys.append((True, key))
+                sources.append(devices.byte_sample(
+                    data, sample_ranges(data.numel() * data.element_size())))
+        self.staged, self.samples = {}, {}
+        for (sample, key), host in zip(keys, _host_staging.stage(sources) if sources else [],
+                                       strict=True):
+            (self.samples if sample else self.staged)[key] = host
+
     def _hash_all(self, keys: list) -> dict:
-        return {key: fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
+        return {key: checksum(tensors.byte_view(self.samples[key])) if key in self.samples
+                else fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
                 for key in keys}
 
-    def _bytes(self, item: WriteItem) -> memoryview:
-        """The bytes of ``item``: a chunk this rank holds, or a box inside
-        one (a piece of a chunk the planner split; a slice along dimension 0
-        is a view, not a copy)."""
+    def _source(self, item: WriteItem):
+        """The tensor holding ``item``: a chunk this rank holds, or a box
+        inside one (a piece of a chunk the planner split; a slice along
+        dimension 0 is a view, not a copy)."""
         chunk = self.state.chunks.get((item.fqn, item.offsets))
         if chunk is not None and chunk.sizes == item.sizes:
-            return tensors.byte_view(tensors.to_host(chunk.data))
+            return chunk.data
         if self._by_fqn is None:  # writer threads may build it twice, never see it half-built
             by_fqn = defaultdict(list)
             for (fqn, _), c in self.state.chunks.items():
@@ -587,7 +635,14 @@ class _Save:
                      if all(o <= i and i + n <= o + s for o, s, i, n
                             in zip(c.offsets, c.sizes, item.offsets, item.sizes, strict=True)))
         rel = [i - o for i, o in zip(item.offsets, chunk.offsets, strict=True)]
-        return tensors.byte_view(tensors.to_host(tensors.region(chunk.data, rel, item.sizes)))
+        return tensors.region(chunk.data, rel, item.sizes)
+
+    def _bytes(self, item: WriteItem) -> memoryview:
+        """The bytes of ``item`` in host memory (staged, if it lives on an
+        accelerator)."""
+        staged = self.staged.get((item.fqn, item.offsets))
+        return tensors.byte_view(staged if staged is not None
+                                 else tensors.to_host(self._source(item)))
 
     def _write_file(self, name: str, group: list[WriteItem], hashers: ThreadPoolExecutor):
         """Write one data file while ``hashers`` computes its chunks'
