@@ -94,8 +94,10 @@ def _wait_writing(root: str, step: int, rank: int, options: dict | None) -> None
 
 
 def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | None = None,
-        options: dict | None = None, kill_trainers_at: int | None = None) -> None:
-    """The job on this rank of the default process group (module doc)."""
+        options: dict | None = None, kill_trainers_at: int | None = None,
+        async_save: bool = True) -> None:
+    """The job on this rank of the default process group (module doc);
+    ``async_save=False`` saves synchronously (no background process to start)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -104,7 +106,7 @@ def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | N
     np.random.seed(20 + rank)
     torch.manual_seed(30 + rank)
     mgr = dcp.CheckpointManager(root, interval=2, keep_latest=2, storage_options=options,
-                                timeout=120)
+                                timeout=120, async_save=async_save)
     state = {"app": AppState(model, optim), "loader": dcp.PerRank(loader)}
     start = mgr.load_latest(state) or 0
     with open(f"{out}.{rank}", "a") as log:
