@@ -269,7 +269,13 @@ class CheckpointManager:
         preemption says so; returns whether a save started (or, after a
         preemption, was made).  Collective: call it on every rank at every
         step.  ``metrics`` (the same on every rank) are kept with the step
-        for :class:`BestN`."""
+        for :class:`BestN`.
+
+        Raises:
+            CheckpointError: at the call, on every rank, for a step not
+                newer than the newest complete one (``force`` forces the
+                decision to save, never the replacement of a complete step).
+        """
         self._check_open()
         step = self._check_step(step)
         self._check_state(state)
