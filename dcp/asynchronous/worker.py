@@ -63,7 +63,7 @@ from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError
 from dcp.orchestration.gc_pause import gc_paused
-from dcp.orchestration.save import SaveState, _Save
+from dcp.orchestration.save import BeforeCommit, SaveState, _Save
 
 #: The exit code of a worker that found itself re-running the training
 #: script's unguarded code (:func:`refuse_main_rerun`).
@@ -103,6 +103,7 @@ class SaveJob:
     planner: SavePlanner | None
     coordination: str
     overwrite: bool
+    before_commit: BeforeCommit | None
     json_values: dict[str, str]
     pickled: dict[str, bytes]
     rank: int
@@ -331,7 +332,7 @@ class _Worker:
                 outcome = Outcome(job.seq, metadata)
             else:
                 coord = self._coordinator(job, storage)
-                save = _Save(describe, storage, planner, coord, job.overwrite)
+                save = _Save(describe, storage, planner, coord, job.overwrite, job.before_commit)
                 if isinstance(coord, FileCoordinator):
                     cleanup = coord.close
                     failed = _closing(coord, save)

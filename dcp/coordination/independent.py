@@ -22,6 +22,7 @@ the same save id.  :func:`read_metadata_bytes` merges them.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 from dcp.core.boxes import volume
@@ -124,7 +125,7 @@ def what_is_there(storage: StoragePlugin) -> str:
                 f"`hyperdcp prune {storage.checkpoint_id}` deletes what an interrupted save "
                 f"left")
     below = sorted({n.rsplit("/", 1)[0] for n in names if "/" in n
-                    and file_kind(n.rsplit("/", 1)[1]) == "metadata"})
+                    and file_kind(n.rsplit("/", 1)[1]) == "metadata"}, key=_natural)
     if below:
         shown = ", ".join(below[:5]) + (", ..." if len(below) > 5 else "")
         return (f"it is a folder of {len(below)} checkpoint(s) ({shown}); pass one of them "
@@ -132,6 +133,11 @@ def what_is_there(storage: StoragePlugin) -> str:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return (f"it exists but holds no committed {METADATA_FILE} nor {rank_metadata_file(0)}, "
             f"only {len(names)} other file(s) ({shown})")
+
+
+def _natural(name: str) -> list:
+    """Sort key putting ``step-5`` before ``step-10``: digit runs by value."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def read_metadata_bytes(storage: StoragePlugin) -> bytes:

@@ -137,6 +137,15 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
     return decode(data, f"{checkpoint_id}/{METADATA_FILE}")
 
 
+def _read_error_kind(error: Exception) -> type[CheckpointError]:
+    """What a failed read of a checkpoint's file says about it: corrupt
+    (:class:`CorruptCheckpointError`) where the file is missing or too
+    short; any other failure (a timeout, a dropped connection, ``EIO``)
+    says nothing about the checkpoint (:class:`CheckpointError`)."""
+    return CorruptCheckpointError if isinstance(error, FileNotFoundError | EOFError) \
+        else CheckpointError
+
+
 class _Load:
     """State of one load on one rank."""
 
@@ -707,11 +716,8 @@ class _Load:
             raise self._read_error(fqn, chunk, e) from e
 
     def _read_error(self, fqn: str, chunk: ChunkMeta, error: Exception) -> CheckpointError:
-        """The error naming the region whose read failed: the checkpoint is
-        corrupt where its file is missing or too short; any other failure
-        (a timeout, a full disk) says nothing about the checkpoint."""
-        kind = CorruptCheckpointError if isinstance(error, FileNotFoundError | EOFError) \
-            else CheckpointError
+        """The error naming the region whose read failed (:func:`_read_error_kind`)."""
+        kind = _read_error_kind(error)
         return kind(f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                     f"{chunk.file!r} failed on rank {self.coord.rank}: "
                     f"{type(error).__name__}: {error}")
@@ -757,7 +763,7 @@ class _Load:
             blob = bytearray(ref.nbytes)
             self.storage.read_ranges(ref.file, [(ref.byte_offset, memoryview(blob))])
         except Exception as e:
-            raise CorruptCheckpointError(
+            raise _read_error_kind(e)(
                 f"{fqn!r}: reading its {what} bytes from file {ref.file!r} failed on rank "
                 f"{self.coord.rank}: {e}") from e
         if checksum(blob) != ref.checksum:

@@ -14,10 +14,13 @@ failure anywhere fails the save on every rank:
    write (:func:`fingerprint`; of an accelerator replica only the sample
    crosses to the host);
 3. *commit* — the coordinator checks that every replica of a chunk has the
-   same fingerprint, builds the metadata and commits it atomically, last.  Only
-   then, with ``overwrite=True``, are the previous checkpoint's data files
-   deleted: new data files carry the save's id in their names, so until the
-   commit the previous checkpoint stays whole and loadable.
+   same fingerprint, builds the metadata, runs the caller's
+   ``before_commit`` action with it (a checkpoint manager names the step in
+   its pointer there: :class:`dcp.manager.steps.NamePointer`) and commits it
+   atomically, last.  Only then, with ``overwrite=True``, are the previous
+   checkpoint's data files deleted: new data files carry the save's id in
+   their names, so until the commit the previous checkpoint stays whole and
+   loadable.
 
 On failure every rank deletes the files it wrote, interrupted or not
 (``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler), then the
@@ -486,6 +489,11 @@ def data_file_prefix(rank: int) -> str:
     return f"r{rank:05d}-"
 
 
+#: An action the coordinator runs with a save's metadata right before
+#: committing it (:func:`save`'s ``before_commit``).
+BeforeCommit = Callable[[Metadata], None]
+
+
 class _Save:
     """State of one save on one rank.
 
@@ -497,12 +505,14 @@ class _Save:
     metadata_file = METADATA_FILE
 
     def __init__(self, describe: Callable[[], SaveState], storage: StoragePlugin,
-                 planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool) -> None:
+                 planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool,
+                 before_commit: BeforeCommit | None = None) -> None:
         self.describe = describe
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
         self.overwrite = overwrite
+        self.before_commit = before_commit
         self.state = SaveState()
         self.save_id: str | None = None
         self.written: list[str] = []
@@ -674,6 +684,8 @@ class _Save:
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
         md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
+        if self.before_commit is not None:
+            self.before_commit(md)
         commit_metadata(self.storage, self.metadata_file, md, self.overwrite)
         # the replaced checkpoint's data files, and those an interrupted save
         # left (a process killed before it could delete them)
@@ -773,7 +785,8 @@ class _Save:
 
 def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
          storage: StoragePlugin | None = None, process_group=None, overwrite: bool = False,
-         allow_pickle: bool = False, storage_options: dict | None = None) -> Metadata:
+         allow_pickle: bool = False, storage_options: dict | None = None,
+         before_commit: BeforeCommit | None = None) -> Metadata:
     """Save a (sharded) state dict as one checkpoint; collective over the group.
 
     Args:
@@ -792,6 +805,11 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         allow_pickle: store values that are not JSON-representable pickled.
         storage_options: keyword options of the storage plugin (e.g.
             ``thread_count``, ``fsync`` for POSIX).
+        before_commit: ``fn(metadata)``, run once, by the coordinator, after
+            every rank has written and right before the metadata is
+            committed: what must be durable before the checkpoint exists
+            (the checkpoint manager names the step in its pointer there).
+            Raising fails the save on every rank: nothing is committed.
 
     A save waits first for this process's :func:`dcp.async_save` in flight,
     if any (one save in flight per job).  A save of a structure this group
@@ -813,7 +831,7 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else cast(SavePlanner, default_planner("save"))
     job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
-                overwrite)
+                overwrite, before_commit)
     with gc_paused():
         if coordinator.world_size == 1:  # nothing to exchange
             return job.run()
