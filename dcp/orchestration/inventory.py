@@ -20,11 +20,9 @@ each step is what a checkpoint manager needs too.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dcp.coordination.file_flag import EXCHANGE_PREFIX
 from dcp.core.metadata import METADATA_FILE, Metadata, decode
@@ -167,14 +165,12 @@ def prune(root: str, min_age_s: float, storage_options: dict | None = None) -> P
             with storage_errors(f"{entry.uri!r}: deleting orphaned files"):
                 storage.delete(old)
             if entry.name:  # an interrupted save's folder, emptied; never the root given
-                remove_empty_folder(entry.uri, options)
+                storage.remove_if_empty()
     return result
 
 
 def remove_empty_folder(uri: str, storage_options: dict | None = None) -> None:
     """Remove the folder ``uri`` if nothing is left in it (a filesystem keeps
-    an emptied folder; an object store has none to remove)."""
-    folder = getattr(open_storage(uri, **(storage_options or {})), "root", None)
-    if isinstance(folder, Path):
-        with contextlib.suppress(OSError):
-            folder.rmdir()
+    an emptied folder; an object store has none to remove:
+    :meth:`~dcp.core.storage.StoragePlugin.remove_if_empty`)."""
+    open_storage(uri, **(storage_options or {})).remove_if_empty()
