@@ -75,6 +75,7 @@ def _payloads(ranks: int) -> tuple[list[SavePlan], list[WriteResult], list[SaveP
 
 
 _KEY, _MARKS = "f" * 64, ("0" * 24, "0" * 24)
+_WHERE = "s3://bucket/runs/llm-505b/step-1000"  # each part's checkpoint id
 
 
 def _kept(plans: list[SavePlan]) -> tuple[list[SavePlan], list[SavePlan]]:
@@ -88,9 +89,9 @@ def _kept(plans: list[SavePlan]) -> tuple[list[SavePlan], list[SavePlan]]:
 def _cached_parts(plans: list[SavePlan], final: list[SavePlan],
                   results: list[WriteResult]) -> list[tuple]:
     """What each rank of a cached save sends: ``("written", key, marks,
-    result)``, its write result relative to its cached plans (``local``
+    result, location)``, its write result relative to its cached plans (``local``
     ``plans`` and ``final`` ones), as ``PlanCache`` sends it."""
-    return [("written", _KEY, _MARKS, wire.relative_result(r, f, p, rank))
+    return [("written", _KEY, _MARKS, wire.relative_result(r, f, p, rank), _WHERE)
             for rank, (r, f, p) in enumerate(zip(results, final, plans, strict=True))]
 
 
@@ -215,7 +216,7 @@ def measure_file(ranks: int, scratch: str | None, store: str = "posix") -> dict:
         row["close_s"] = time.perf_counter() - t
     row["payload_bytes_per_rank"] = (_encoded_size(plans) + _encoded_size(results)) / ranks
     row["results_bytes_per_rank"] = _encoded_size(
-        [("written", _KEY, _MARKS, r) for r in results]) / ranks
+        [("written", _KEY, _MARKS, r, _WHERE) for r in results]) / ranks
     row["hit_bytes_per_rank"] = _encoded_size(cached) / ranks
     return row
 
@@ -236,7 +237,7 @@ def gloo_bytes(ranks: int = 10240) -> dict:
     plans, results, final = _payloads(ranks)
     steps = {"miss": [[(p, None) for p in plans], [(r, None) for r in results]],
              "hit": [[(part, None) for part in _cached_parts(plans, final, results)]],
-             "hit_full": [[(("written", _KEY, _MARKS, r), None) for r in results]]}
+             "hit_full": [[(("written", _KEY, _MARKS, r, _WHERE), None) for r in results]]}
     row: dict = {"transport": "gloo (computed)", "ranks": ranks}
     for kind, gathers in steps.items():
         encoded = [[wire.encode(v) for v in values] for values in gathers]

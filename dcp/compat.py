@@ -1,23 +1,45 @@
-"""PyTorch DCP's call signatures over hyperdcp: switch with one import.
+"""PyTorch DCP's entry points over hyperdcp: switch with one import.
 
-``import dcp.compat as dcp_compat`` in place of ``import
+``import dcp.compat as dcp`` in place of ``import
 torch.distributed.checkpoint as dcp``, and code written for
-``torch.distributed.checkpoint`` runs unchanged: :func:`save`, :func:`load`
-and :func:`async_save` take its arguments (``checkpoint_id=``,
-``storage_writer=`` / ``storage_reader=``, ``planner=``,
-``process_group=``, ``no_dist=``, ``async_checkpointer_type=``), and Stateful
-values are resolved as torch does (:mod:`dcp.core.stateful`).
+``torch.distributed.checkpoint`` runs unchanged where it calls these
+through the alias:
 
+* ours, with torch's signatures: :func:`save`, :func:`load`,
+  :func:`async_save` (``checkpoint_id=``, ``storage_writer=`` /
+  ``storage_reader=``, ``planner=``, ``process_group=``, ``no_dist=``,
+  ``async_checkpointer_type=``), the deprecated :func:`save_state_dict` and
+  :func:`load_state_dict` (Accelerate's and older Lightning's calls), the
+  modules ``state_dict_saver`` and ``state_dict_loader`` holding them,
+  ``CheckpointException`` (:class:`~dcp.CheckpointError`), ``Metadata``
+  (:class:`~dcp.Metadata`, what :func:`save` returns) and the planner
+  interfaces ``SavePlanner``, ``LoadPlanner``, ``SavePlan``, ``LoadPlan``,
+  ``WriteItem``, ``ReadItem`` (:mod:`dcp.core.planner`);
+* torch's own objects, which only carry settings hyperdcp reads:
+  ``FileSystemWriter``, ``FileSystemReader``, ``DefaultSavePlanner``,
+  ``DefaultLoadPlanner``, ``AsyncCheckpointerType``;
+* refused, saying what to do instead: ``load_sharded_optimizer_state_dict``
+  (FSDP1's loader builds its targets from torch DCP's pickled metadata), the
+  storage interfaces ``StorageWriter`` / ``StorageReader`` (their I/O would
+  not run), the Hugging Face storages (another format), torch DCP's
+  metadata classes and ``AsyncSaveResponse``.
+
+Stateful values are resolved as torch does (:mod:`dcp.core.stateful`).
 What comes along is hyperdcp's behaviour (docs/moving-from-torch-dcp.md):
 where PyTorch DCP would cast or drop silently, these raise
 :class:`~dcp.CheckpointError` — a missing key (unless
 ``DefaultLoadPlanner(allow_partial_load=True)``), a dtype mismatch, replicas
 that differ, a value that is neither a tensor, JSON, ``bytes`` nor
-``io.BytesIO`` (never pickled).
+``io.BytesIO`` (never pickled) — and their messages name torch's way out
+(``FileSystemWriter(..., overwrite=True)``,
+``DefaultLoadPlanner(allow_partial_load=True)``), or hyperdcp's call where
+torch has none.
 
-Storage: torch's ``FileSystemWriter`` / ``FileSystemReader``, or any object
-with a ``path``, names where the checkpoint lives; hyperdcp's own storage
-plugin for that path's scheme does the I/O.  A writer's ``overwrite``
+Storage: torch's ``FileSystemWriter`` / ``FileSystemReader`` (their fsspec
+subclasses too), or any object of the caller's with a ``path``, names where
+the checkpoint lives; hyperdcp's own storage plugin for that path's scheme
+does the I/O (torch's other storages are refused: their own I/O or format
+would be bypassed).  A writer's ``overwrite``
 (PyTorch DCP's default: ``True``) is honoured; hyperdcp keeps the previous
 checkpoint loadable until the new one commits.
 
@@ -31,20 +53,133 @@ run; hyperdcp planners (:class:`dcp.core.planner.SavePlanner`,
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import re
+import sys
+import types
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 from dcp.asynchronous.async_save import AsyncSaveResponse
 from dcp.asynchronous.async_save import async_save as _async_save
 from dcp.core.metadata import Metadata
-from dcp.core.planner import LoadPlanner, SavePlanner
+from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from dcp.errors import CheckpointError
 from dcp.orchestration.load import LoadReport
 from dcp.orchestration.load import load as _load
 from dcp.orchestration.save import save as _save
 
-__all__ = ["save", "load", "async_save"]
+#: torch's name for the exception its saves and loads raise.
+CheckpointException = CheckpointError
+
+__all__ = ["save", "load", "async_save", "save_state_dict", "load_state_dict",
+           "load_sharded_optimizer_state_dict", "CheckpointException", "Metadata",
+           "SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem"]
+
+#: torch.distributed.checkpoint's objects handed out as they are, by name,
+#: and the module defining each: data that hyperdcp reads (a writer's path
+#: and overwrite, a default planner's settings, an enum), imported on first
+#: use.
+_TORCH_OBJECTS = {
+    "FileSystemWriter": "torch.distributed.checkpoint.filesystem",
+    "FileSystemReader": "torch.distributed.checkpoint.filesystem",
+    "DefaultSavePlanner": "torch.distributed.checkpoint.default_planner",
+    "DefaultLoadPlanner": "torch.distributed.checkpoint.default_planner",
+    "AsyncCheckpointerType": "torch.distributed.checkpoint.state_dict_saver",
+}
+#: torch's modules of entry points, as modules of ours holding these names.
+_MODULES = {"state_dict_saver": ("save", "async_save", "save_state_dict", "AsyncCheckpointerType"),
+            "state_dict_loader": ("load", "load_state_dict")}
+__all__ += [*_TORCH_OBJECTS, *_MODULES]
+_TORCH_METADATA = ("torch DCP's metadata classes: a hyperdcp checkpoint's metadata is "
+                   "dcp.read_metadata(path), a dcp.Metadata (TensorMeta, ChunkMeta, ObjectMeta)")
+_HF_FORMAT = ("it reads or writes Hugging Face safetensors, not a distributed checkpoint: use "
+              "dcp.interop.safetensors_io (load_safetensors, checkpoint_to_safetensors) or "
+              "`hyperdcp convert`")
+#: Names of torch.distributed.checkpoint that dcp.compat refuses, and why.
+_REFUSED = {
+    "StorageWriter": "a torch StorageWriter's I/O would not run: hyperdcp's storage plugin for "
+                     "the path's scheme does it; pass FileSystemWriter(path) or checkpoint_id= "
+                     "(a new backend is a storage plugin: docs/plugin-authors.md)",
+    "StorageReader": "a torch StorageReader's I/O would not run: hyperdcp's storage plugin for "
+                     "the path's scheme does it; pass FileSystemReader(path) or checkpoint_id= "
+                     "(a new backend is a storage plugin: docs/plugin-authors.md)",
+    "HuggingFaceStorageWriter": _HF_FORMAT,
+    "HuggingFaceStorageReader": _HF_FORMAT,
+    "QuantizedHuggingFaceStorageReader": _HF_FORMAT,
+    "BytesStorageMetadata": _TORCH_METADATA,
+    "ChunkStorageMetadata": _TORCH_METADATA,
+    "TensorStorageMetadata": _TORCH_METADATA,
+    "AsyncSaveResponse": "dcp.compat.async_save returns a concurrent.futures.Future of the "
+                         "committed dcp.Metadata (torch returns an AsyncSaveResponse only with "
+                         "a custom async_stager, which hyperdcp refuses)",
+}
+
+
+class _Refused(CheckpointError, AttributeError):
+    """A name of ``torch.distributed.checkpoint`` that ``dcp.compat``
+    refuses (an ``AttributeError`` too, so ``hasattr`` says ``False``)."""
+
+
+def __getattr__(name: str) -> Any:
+    """torch's objects (:data:`_TORCH_OBJECTS`) and modules
+    (:data:`_MODULES`) on first use; a refusal for :data:`_REFUSED`."""
+    if name in _TORCH_OBJECTS:
+        value = getattr(importlib.import_module(_TORCH_OBJECTS[name]), name)
+    elif name in _MODULES:
+        value = types.ModuleType(f"{__name__}.{name}",
+                                 f"torch.distributed.checkpoint.{name}'s entry points over "
+                                 f"hyperdcp (dcp.compat).")
+        this = sys.modules[__name__]
+        for attr in _MODULES[name]:
+            setattr(value, attr, getattr(this, attr))
+        setattr(value, "__getattr__", __getattr__)  # noqa: B010  # its refusals too
+    elif name in _REFUSED:
+        raise _Refused(f"dcp.compat.{name} is not supported: {_REFUSED[name]}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (it has "
+                             f"torch.distributed.checkpoint's {', '.join(__all__)}; import "
+                             f"torch's other names from torch.distributed.checkpoint)")
+    globals()[name] = value
+    return value
+
+
+#: hyperdcp keywords that its messages name, and what a torch DCP user
+#: passes instead (or hyperdcp's own call, where torch has no way).
+_TORCH_WAYS = {
+    "overwrite=True": "FileSystemWriter(..., overwrite=True)",
+    "strict=False load": "partial load (allow_partial_load=True)",
+    "strict=False": "planner=DefaultLoadPlanner(allow_partial_load=True)",
+    "pass allow_dtype_cast=True": "use dcp.load(..., allow_dtype_cast=True)",
+    "allow_dtype_cast=True": "dcp.load(..., allow_dtype_cast=True)",
+    "pass allow_pickle=True to save (and to load) it pickled":
+        "use dcp.save(..., allow_pickle=True) to save it pickled (and dcp.load(..., "
+        "allow_pickle=True) to load it)",
+    "allow_pickle=True": "dcp.load(..., allow_pickle=True)",
+}
+_WAYS = re.compile("|".join(map(re.escape, sorted(_TORCH_WAYS, key=len, reverse=True))))
+
+
+def _in_torch_terms(error: CheckpointError) -> CheckpointError:
+    """``error``, its message naming torch's ways instead of hyperdcp's
+    keywords (:data:`_TORCH_WAYS`)."""
+    if error.args:
+        error.args = (_WAYS.sub(lambda m: _TORCH_WAYS[m.group(0)], str(error)),
+                      *error.args[1:])
+    return error
+
+
+@contextlib.contextmanager
+def _torch_terms() -> Iterator[None]:
+    """Inside, a :class:`CheckpointError` is raised :func:`_in_torch_terms`."""
+    try:
+        yield
+    except CheckpointError as e:
+        _in_torch_terms(e)
+        raise
 
 #: Attributes of torch's default planners that are not settings.
 _NOT_SETTINGS = {"mappings", "original_state_dict", "_cached_plans_key", "state_dict",
@@ -57,6 +192,8 @@ def _location(checkpoint_id: str | os.PathLike | None, storage: Any, what: str) 
     """The checkpoint's path or URI, from ``checkpoint_id`` or the storage
     object's ``path``; raises :class:`CheckpointError` if neither names one
     or they disagree."""
+    if storage is not None:
+        _refuse_torch_storage(storage, what)
     path = getattr(storage, "path", None) if storage is not None else None
     if storage is not None and path is None:
         raise CheckpointError(
@@ -70,6 +207,31 @@ def _location(checkpoint_id: str | os.PathLike | None, storage: Any, what: str) 
     if where is None:
         raise CheckpointError(f"give checkpoint_id= or {what}= (a path or URI)")
     return os.fspath(where)
+
+
+def _refuse_torch_storage(storage: Any, what: str) -> None:
+    """Raise :class:`CheckpointError` for a torch storage object whose own
+    I/O or format hyperdcp would bypass: a Hugging Face storage, or a
+    ``StorageWriter`` / ``StorageReader`` other than torch's file system
+    ones (whose only part taken is the path)."""
+    if "torch.distributed.checkpoint" not in sys.modules:  # then it is none of torch's
+        return
+    from torch.distributed.checkpoint import (
+        FileSystemReader,
+        FileSystemWriter,
+        StorageReader,
+        StorageWriter,
+    )
+
+    kind = type(storage).__name__
+    for cls in type(storage).__mro__:
+        if cls.__name__ in ("HuggingFaceStorageWriter", "HuggingFaceStorageReader"):
+            raise CheckpointError(f"{what} {kind} is not supported by dcp.compat: {_HF_FORMAT}")
+    if (isinstance(storage, StorageWriter | StorageReader)
+            and not isinstance(storage, FileSystemWriter | FileSystemReader)):
+        interface = "StorageWriter" if isinstance(storage, StorageWriter) else "StorageReader"
+        raise CheckpointError(f"{what} {kind} is not supported by dcp.compat: "
+                              f"{_REFUSED[interface]}")
 
 
 def _settings_differ(planner: Any) -> list[str]:
@@ -152,10 +314,11 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     :class:`~dcp.CheckpointError` where PyTorch DCP would save silently
     something it cannot load back as it was (module doc).
     """
-    where = _location(checkpoint_id, storage_writer, "storage_writer")
-    return _save(state_dict, where, planner=_save_planner(planner),
-                 process_group=_group(process_group, no_dist, use_collectives),
-                 overwrite=_overwrite(storage_writer))
+    with _torch_terms():
+        where = _location(checkpoint_id, storage_writer, "storage_writer")
+        return _save(state_dict, where, planner=_save_planner(planner),
+                     process_group=_group(process_group, no_dist, use_collectives),
+                     overwrite=_overwrite(storage_writer))
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
@@ -170,10 +333,45 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     (unless ``DefaultLoadPlanner(allow_partial_load=True)``), a shape or
     dtype mismatch (never cast), or a corrupted checkpoint.
     """
-    where = _location(checkpoint_id, storage_reader, "storage_reader")
-    hyper_planner, strict = _load_planner(planner)
-    return _load(state_dict, where, strict=strict, planner=hyper_planner,
-                 process_group=_group(process_group, no_dist, True))
+    with _torch_terms():
+        where = _location(checkpoint_id, storage_reader, "storage_reader")
+        hyper_planner, strict = _load_planner(planner)
+        return _load(state_dict, where, strict=strict, planner=hyper_planner,
+                     process_group=_group(process_group, no_dist, True))
+
+
+def save_state_dict(state_dict: dict[str, Any], storage_writer: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False,
+                    planner: Any = None) -> Metadata:
+    """torch's deprecated ``save_state_dict`` (Accelerate's call) over
+    :func:`save`.  ``coordinator_rank`` is accepted at any value: hyperdcp's
+    coordinator is the group's rank 0, and the checkpoint is the same."""
+    return save(state_dict, storage_writer=storage_writer, planner=planner,
+                process_group=process_group, no_dist=no_dist)
+
+
+def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_group: Any = None,
+                    coordinator_rank: int = 0, no_dist: bool = False,
+                    planner: Any = None) -> LoadReport:
+    """torch's deprecated ``load_state_dict`` (Accelerate's call) over
+    :func:`load`; returns the :class:`~dcp.LoadReport` (torch: ``None``).
+    ``coordinator_rank`` as for :func:`save_state_dict`."""
+    return load(state_dict, storage_reader=storage_reader, planner=planner,
+                process_group=process_group, no_dist=no_dist)
+
+
+def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
+                                      storage_reader: Any, planner: Any = None) -> dict:
+    """Refused, always raising :class:`CheckpointError`: torch's FSDP1
+    helper builds the optimizer's ``ShardedTensor`` targets from torch DCP's
+    pickled metadata, which a hyperdcp checkpoint does not have.  The
+    message gives the way that works for FSDP1 and FSDP2 alike."""
+    raise CheckpointError(
+        f"dcp.compat.load_sharded_optimizer_state_dict is not supported: torch's builds the "
+        f"optimizer's targets from torch DCP's pickled metadata. Make the target with "
+        f"torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optim), load "
+        f"{{{optimizer_key!r}: that}} with dcp.compat.load, then call "
+        f"set_optimizer_state_dict(model, optim, that)")
 
 
 def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
@@ -197,17 +395,20 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     if kind not in (None, "thread", "process"):
         raise CheckpointError(f"async_checkpointer_type {async_checkpointer_type!r} is not "
                               f"supported (THREAD or PROCESS)")
-    where = _location(checkpoint_id, storage_writer, "storage_writer")
-    response = _async_save(state_dict, where, planner=_save_planner(planner),
-                           process_group=_group(process_group, no_dist, use_collectives),
-                           overwrite=_overwrite(storage_writer))
+    with _torch_terms():
+        where = _location(checkpoint_id, storage_writer, "storage_writer")
+        response = _async_save(state_dict, where, planner=_save_planner(planner),
+                               process_group=_group(process_group, no_dist, use_collectives),
+                               overwrite=_overwrite(storage_writer))
     future: Future = Future()
     future.set_running_or_notify_cancel()
 
     def resolve(done: AsyncSaveResponse) -> None:
         try:
             future.set_result(done.result())
-        except BaseException as e:  # the save's failure, handed to the caller
+        except CheckpointError as e:  # the save's failure, handed to the caller
+            future.set_exception(_in_torch_terms(e))
+        except BaseException as e:
             future.set_exception(e)
 
     response.add_done_callback(resolve)

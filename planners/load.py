@@ -23,8 +23,9 @@ and reaches the other members by the cheapest path (``replica_path``):
 * ``shared_memory`` — nothing is shared (object stores): one member reads,
   passes the bytes to the members of its host through host shared memory
   (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the
-  members on other hosts by ``torch.distributed`` broadcast (gloo, NCCL,
-  HCCL).  Storage bytes: once for the whole group.
+  members on other hosts by ``torch.distributed`` broadcast (gloo, from
+  host memory, whatever the job's backend).  Storage bytes: once for the
+  whole group.
 * ``broadcast`` — one member reads and broadcasts to all the others.
 * ``none`` — every rank reads all it needs itself.
 

@@ -191,3 +191,9 @@ class FaultyStorage(StoragePlugin):
         names = list(names)
         self._maybe_fail("delete", ",".join(names))
         self.inner.delete(names)
+
+    def location_exists(self) -> bool | None:
+        return self.inner.location_exists()
+
+    def remove_if_empty(self) -> None:
+        self.inner.remove_if_empty()

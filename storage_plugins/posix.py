@@ -298,6 +298,8 @@ class PosixStorage(StoragePlugin):
 
     def list_files(self) -> list[str]:
         if not self.root.is_dir():
+            if self.root.exists():  # a file: not a folder of files
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.root))
             return []
         return sorted(p.relative_to(self.root).as_posix() for p in self.root.rglob("*")
                       if p.is_file())
@@ -308,6 +310,10 @@ class PosixStorage(StoragePlugin):
 
     def location_exists(self) -> bool | None:
         return self.root.is_dir()
+
+    def remove_if_empty(self) -> None:
+        with contextlib.suppress(OSError):  # not empty, gone, or not ours to remove
+            self.root.rmdir()
 
     def file_stats(self) -> dict[str, tuple[int | None, float | None]]:
         stats: dict[str, tuple[int | None, float | None]] = {}

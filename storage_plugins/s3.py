@@ -33,15 +33,19 @@ config file): the :class:`~storage_plugins.fsspec_store.FsspecStorage` ones
 (default 5), and any ``s3fs.S3FileSystem`` argument, e.g. ``endpoint_url``,
 ``profile``, ``key``/``secret``/``token``, ``client_kwargs``
 (``{"region_name": ...}``), ``config_kwargs`` (merged over the retry and
-connection-pool defaults).
+connection-pool defaults).  A name none of these takes is refused when the
+plugin is made, with the nearest known name (s3fs would hand it on to
+aiobotocore, which fails at the first request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
+import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import TypeVar
 
 import s3fs  # imported here, so that without s3fs the entry point fails and dcp names the package
@@ -60,6 +64,16 @@ class S3Storage(FsspecStorage):
 
     def __init__(self, checkpoint_id: str, *, thread_count: int = 4, part_size: int = 16 * MiB,
                  max_concurrency: int = 10, max_attempts: int = 5, **s3_options) -> None:
+        unknown = sorted(set(s3_options) - _s3fs_options())
+        if unknown:  # s3fs would hand it to aiobotocore at the first request: a TypeError there
+            known = sorted(_s3fs_options() | {"thread_count", "part_size", "max_concurrency",
+                                              "max_attempts"})
+            hints = [f"{name!r}" + (f" (did you mean {close[0]!r}?)"
+                                    if (close := difflib.get_close_matches(name, known, 1)) else "")
+                     for name in unknown]
+            raise TypeError(f"S3Storage got unknown option(s) {', '.join(hints)}: it takes "
+                            f"thread_count, part_size, max_concurrency, max_attempts and the "
+                            f"arguments of s3fs.S3FileSystem")
         self.max_attempts = int(max_attempts)
         super().__init__(checkpoint_id, thread_count=thread_count, part_size=part_size,
                          max_concurrency=max_concurrency, **s3_options)
@@ -172,6 +186,21 @@ class S3Storage(FsspecStorage):
                 self.fs.rm(paths)  # DeleteObjects, 1000 keys a request; missing keys are no error
             except FileNotFoundError:  # no such bucket: nothing to delete
                 pass
+
+
+@cache
+def _s3fs_options() -> frozenset[str]:
+    """The keyword arguments an ``s3fs.S3FileSystem`` takes: its own, the
+    listing-cache ones it hands to fsspec, and those of the aiobotocore
+    session it hands the rest to."""
+    from aiobotocore.session import AioSession
+
+    names = set()
+    for fn in (s3fs.S3FileSystem.__init__, AioSession.__init__):
+        names |= {p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD}
+    return frozenset(names - {"self"} | {"use_listings_cache", "listings_expiry_time",
+                                         "max_paths", "skip_instance_cache"})
 
 
 def _slice(views: list[memoryview], start: int, stop: int) -> bytes:

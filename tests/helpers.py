@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import re
@@ -170,7 +171,7 @@ class RecordingKinds:
         parts = super()._gather(step, phase, obj)  # type: ignore[misc]
         if parts is not None:
             self.kinds.append({type(v[3]).__name__ for v, _ in parts
-                               if isinstance(v, tuple) and len(v) == 4})
+                               if isinstance(v, tuple) and len(v) == 5})
         return parts
 
 
@@ -206,6 +207,46 @@ def mindspore_scenario(world_size: int = 2, **kwargs):
         return skipped
 
     return deco
+
+
+#: A torch.distributed backend registered, as NCCL and HCCL are, for an
+#: accelerator device type only (see :func:`accelerator_world`).
+ACCELERATOR_ONLY = "test_accelerator_only"
+
+
+def _accelerator_only_backend(store, rank, size, timeout):
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+@contextlib.contextmanager
+def accelerator_world(ctx, timeout_s: float = 60.0):
+    """Inside a ``dist_scenario``: the job's default group made again, for
+    the block, on :data:`ACCELERATOR_ONLY`, a backend registered for
+    ``"cuda"`` only; then a gloo default group again.  Like an NCCL or HCCL
+    job's world, it has no backend for host tensors: a collective on one
+    raises ``No backend type associated with device type cpu`` (it never
+    carries a tensor: this machine has no accelerator), and every group made
+    without a backend inherits it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if ACCELERATOR_ONLY not in dist.Backend.backend_list:
+        dist.Backend.register_backend(ACCELERATOR_ONLY, _accelerator_only_backend,
+                                      devices=["cuda"])
+    store = dist.FileStore(str(ctx.dir / "accelerator-world-store"), ctx.world_size)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.destroy_process_group()
+    dist.init_process_group(ACCELERATOR_ONLY, store=dist.PrefixStore("accelerator", store),
+                            rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=ctx.rank,
+                                world_size=ctx.world_size, timeout=timeout)
 
 
 def from_rank0(value_on_rank0):

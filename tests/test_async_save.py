@@ -38,12 +38,13 @@ WAIT = 120  # seconds: bound on every result() of a healthy save
 
 class FlakyStorage(PosixStorage):
     """POSIX storage (picklable, unlike helpers.FailingStorage) that sleeps
-    ``delay`` seconds before writing each data file, and raises on data file
-    writes if ``fail``."""
+    ``delay`` seconds before writing each data file (``pause`` seconds after
+    it), and raises on data file writes if ``fail``."""
 
-    def __init__(self, checkpoint_id, *, delay: float = 0.0, fail: bool = False, **options):
+    def __init__(self, checkpoint_id, *, delay: float = 0.0, pause: float = 0.0,
+                 fail: bool = False, **options):
         super().__init__(checkpoint_id, **options)
-        self.delay, self.fail = delay, fail
+        self.delay, self.pause, self.fail = delay, pause, fail
 
     def write_file(self, name, buffers):
         if name.endswith(".data"):
@@ -51,6 +52,8 @@ class FlakyStorage(PosixStorage):
             if self.fail:
                 raise OSError(28, "injected: no space left on device", name)
         super().write_file(name, buffers)
+        if name.endswith(".data"):
+            time.sleep(self.pause)
 
 
 def load(target, path):
@@ -396,6 +399,29 @@ def test_single_process_async_save_mutate_after_return(tmp_path):
             assert target[k] == v
     with pytest.raises(dcp.CheckpointError, match="coordination must be one of"):
         dcp.async_save(sd, str(tmp_path / "b"), coordination="nccl")
+
+
+def test_interrupted_async_save_leaves_no_folder(tmp_path):
+    """Ctrl-C reaches the background process too (a terminal sends SIGINT
+    to the whole job): mid-write, it deletes what it wrote and the folder
+    the save made; result() raises; the next save works."""
+    path = tmp_path / "run" / "step-1"
+    sd = {"w": randn((256, 256), 1)}
+    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), pause=1.0))
+    deadline = time.monotonic() + WAIT
+    while not (path.is_dir() and any(p.suffix == ".data" for p in path.iterdir())):
+        assert time.monotonic() < deadline and not response.done(), "no data file was written"
+        time.sleep(0.02)
+    (worker,) = [p for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
+    os.kill(worker.pid, signal.SIGINT)
+    with pytest.raises(dcp.CheckpointError, match="died"):
+        response.result(WAIT)
+    worker.join(WAIT)
+    assert not path.exists(), sorted(p.name for p in path.iterdir())
+    dcp.async_save(sd, str(path)).result(WAIT)
+    target = {"w": torch.zeros(256, 256)}
+    dcp.load(target, str(path))
+    assert_bitwise_equal(target["w"], sd["w"], "w")
 
 
 def test_exchange_payloads_are_json_and_never_unpickled():

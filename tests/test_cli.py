@@ -9,8 +9,10 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import shutil
+import socket
 import struct
 import subprocess
 import termios
@@ -142,6 +144,7 @@ def test_convert_in_every_direction(ckpt, tmp_path, capsys):
     save_file(sd, tmp_path / "hf" / "model.safetensors")
     code, out, _ = _run(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "from-hf"))
     assert code == 0 and "converted 2 tensors (84 bytes) from safetensors" in out
+    assert re.search(r" s \([1-9][\d.]* ?[kMGT]?B/s\)$", out.strip()), out  # never "0 MiB/s"
 
     code, _, err = _run(capsys, "convert", str(ckpt), str(tmp_path / "x"))
     assert code == 2 and "--to" in err
@@ -291,6 +294,40 @@ def test_bad_storage_options_are_one_line_errors(tmp_path, capsys):
     assert code == 2 and "KEY=VALUE" in err, err
     with pytest.raises(dcp.CheckpointError, match="thred_count"):
         dcp.save(_state(), str(tmp_path / "other"), storage_options={"thred_count": 2})
+
+
+def _s3_options(endpoint: str, **extra) -> list[str]:
+    return [arg for k, v in s3_server.options(endpoint, **extra).items()
+            for arg in ("-o", f"s3:{k}={v}")]
+
+
+def test_storage_failures_are_one_line_errors_from_every_subcommand(ckpt, tmp_path, capsys):
+    """A missing bucket (moto), an unreachable endpoint (a closed port on
+    127.0.0.1, one attempt per request) and a mistyped S3 option: every
+    subcommand prints ``hyperdcp: error: ...`` (one line, no traceback) and
+    exits 1; the library raises CheckpointError for the same."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    live = s3_server.endpoint()
+    cases = [
+        ("s3://no-such-bucket/ckpt", _s3_options(live), "The specified bucket does not exist"),
+        (f"s3://{s3_server.BUCKET}/ckpt", _s3_options(closed, max_attempts=1),
+         f"EndpointConnectionError: Could not connect to the endpoint URL: \"{closed}/"),
+        (f"s3://{s3_server.BUCKET}/ckpt", [*_s3_options(live), "-o", "s3:endpoint_urll=x"],
+         "'endpoint_urll' (did you mean 'endpoint_url'?)"),
+    ]
+    for uri, options, says in cases:
+        for argv in (["list", uri], ["verify", uri], ["prune", uri], ["inspect", uri],
+                     ["diff", uri, str(ckpt)], ["convert", uri, str(tmp_path / "out")],
+                     ["convert", str(ckpt), uri, "--to", "safetensors"]):
+            code, _, err = _run(capsys, *argv, *options)
+            assert (code, err.count("\n")) == (1, 1) and err.startswith("hyperdcp: error: "), \
+                (argv, code, err)
+            assert says in err, (argv, err)
+        storage_options = dict(o.removeprefix("s3:").split("=", 1) for o in options[1::2])
+        with pytest.raises(dcp.CheckpointError, match=re.escape(says)):
+            dcp.read_metadata(uri, storage_options=storage_options)
 
 
 def test_verify_refuses_chunks_that_do_not_cover_the_shape(tmp_path, capsys):

@@ -12,8 +12,9 @@
   imports nothing of ``dcp`` but ``dcp.core`` and ``dcp.errors`` (else the
   rule above would be broken one step away).
 - torch: within ``dcp/core/`` only the tensor adapters import it
-  (``tensors.py``, and ``mindspore_tensors.py``, which hands MindSpore
-  tensors over as torch ones); ``planners/`` never.
+  (``tensors.py``; ``devices.py``, its accelerator side: streams, page-locked
+  memory; and ``mindspore_tensors.py``, which hands MindSpore tensors over
+  as torch ones); ``planners/`` never.
 - ``dcp/integrations/`` (trainers picking hyperdcp from their configuration)
   uses only the public API: ``dcp``'s names, the conversions of
   ``dcp.interop`` and the format's names in ``dcp.core.metadata``; nothing in
@@ -46,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dcp", "planners", "storage_plugins")
 #: what planners/ and storage_plugins/ may import of dcp (besides ``dcp`` itself)
 DCP_FOR_IMPLEMENTATIONS = ("dcp.core", "dcp.errors")
-TORCH_IN_CORE = ("dcp.core.tensors", "dcp.core.mindspore_tensors")
+TORCH_IN_CORE = ("dcp.core.tensors", "dcp.core.devices", "dcp.core.mindspore_tensors")
 MINDSPORE_ADAPTER = "dcp.core.mindspore_tensors"
 INTEGRATIONS = "dcp.integrations"
 #: what dcp/integrations/ may import of dcp (besides ``dcp`` itself): the public API
@@ -280,6 +281,7 @@ _BROKEN = {
     "dcp/errors.py": "",
     "dcp/core/__init__.py": "",
     "dcp/core/tensors.py": "import torch\n",
+    "dcp/core/devices.py": "import torch\n",
     "dcp/core/mindspore_tensors.py": "import torch\nimport mindspore\n"
                                      "def f():\n    from mindspore import Tensor\n",
     "dcp/core/boxes.py": "import numpy\nfrom torch import Tensor\n"

@@ -10,7 +10,9 @@
   POSIX every replica group takes the page cache path and reads the storage
   once per host, on S3 it reads once overall and passes the bytes through
   shared memory within a host and by broadcast across hosts.
-* A reader's failure on any path raises on every rank, and nothing hangs.
+* A reader's failure on any path raises on every rank, and nothing hangs;
+  so does a broadcast's, and the load's threads are joined (a process
+  exits at once after it).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import dataclasses
 import glob
 import os
 import re
+import threading
 import time
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp
 import s3_server
+from dcp.coordination.broadcast import Broadcaster
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, random_tensor
 from planners.load import DefaultLoadPlanner
@@ -421,3 +426,35 @@ def test_a_failing_reader_raises_on_every_rank_on_every_path(ctx):
     dcp.load(target, sharded, storage_options=options)
     for k, v in full.items():
         assert_dtensor_equals_full(target[k], v, k)
+
+
+@dist_scenario(world_size=4, last=True)
+def test_a_load_whose_broadcasts_fail_joins_its_threads(ctx):
+    """Replicated tensors on two hosts, passed through shared memory within
+    a host and by broadcast across: every broadcast fails as it starts (a
+    broken group), on every rank.  The load raises on every rank, and no
+    thread of it is left, though the shared-memory publisher has regions
+    no receiver will take."""
+    host = f"h{ctx.rank // 2}"
+    full = {f"w{i}": random_tensor((64, 64), torch.float32, seed=70 + i) for i in range(8)}
+    ckpt = str(ctx.dir / "ckpt")
+    dcp.save(full, ckpt)
+    before = set(threading.enumerate())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the group is broken")
+
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    started = time.monotonic()
+    with mock.patch.object(Broadcaster, "start", broken), \
+            pytest.raises(dcp.CheckpointError, match="injected: the group is broken"):
+        dcp.load(target, ckpt, host=host, planner=DefaultLoadPlanner(replica_path="shared_memory"),
+                 max_inflight_bytes=32 << 10)
+    left = [t.name for t in set(threading.enumerate()) - before]
+    assert left == [], left
+    assert time.monotonic() - started < 30  # the exchange's waits are 1800 s
+    ctx.barrier()
+    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    dcp.load(target, ckpt, host=host, planner=DefaultLoadPlanner(replica_path="shared_memory"))
+    for k, v in full.items():
+        assert_bitwise_equal(target[k], v, k)

@@ -25,8 +25,9 @@ import torch.distributed as dist
 import dcp
 import manager_job
 import s3_server
-from dcp.manager.manager import POINTER, prune_steps
+from dcp.core.storage import open_storage
 from dcp.manager.policies import StepInfo, to_delete
+from dcp.manager.steps import POINTER, NamePointer, complete_steps, newest_step, prune_steps
 from dist_harness import dist_scenario
 
 HERE = Path(__file__).resolve().parent
@@ -113,9 +114,15 @@ def test_a_step_not_newer_than_the_newest_complete_one_is_refused(tmp_path):
         assert mgr.save(3, state, force=True) is False
         assert mgr.steps() == [3] and mgr.latest_step() == 3
     with dcp.CheckpointManager(root, async_save=False, keep_latest=0, save_rng=False) as mgr:
-        for step in (2, 3):  # a new job that did not resume
-            with pytest.raises(dcp.CheckpointError, match=f"cannot save step {step}: step 3 "):
-                mgr.save(step, state, force=True)
+        with pytest.raises(dcp.CheckpointError, match="cannot save step 2: step 3 "):
+            mgr.save(2, state, force=True)  # a new job that did not resume
+        with pytest.raises(dcp.CheckpointError) as e:
+            mgr.save(3, state, force=True)
+        assert str(e.value) == (
+            f"{str(root)!r}: cannot save step 3: it is complete there already (saved by an "
+            f"earlier job, or by its background save after the trainer died), and a complete "
+            f"step is never replaced: resume with load_latest, which returns it, and save the "
+            f"steps after it (or save under another root)")
         assert mgr.save(4, state, force=True)
         assert mgr.steps() == [3, 4] and mgr.latest_step() == 4
     assert json.loads((root / POINTER).read_text())["step"] == 4
@@ -282,6 +289,7 @@ def test_pointer_listing_fallback_initial_load_and_export(tmp_path):
     folder = mgr.export(31, model.state_dict(), safetensors=True, path=str(tmp_path / "hf"),
                         dtype=torch.float16)
     assert (Path(folder) / "model.safetensors").exists() or list(Path(folder).glob("*.safetensors"))
+    assert not (Path(folder) / ".dcp").exists()  # the staging checkpoint, gone
     mgr.close()
 
     # initial loads into an empty root
@@ -306,6 +314,131 @@ def test_prune_steps_keeps_what_it_must(tmp_path):
     assert deleted == [2, 3] and _steps_on_disk(root) == [1, 4, 5]
 
 
+def test_the_pointer_names_each_step_before_its_commit_and_moves_only_forward(tmp_path):
+    """NamePointer, the manager's before_commit action: the pointer names a
+    step before its metadata is committed, with the newest complete step
+    as its previous (what a reader takes while the step is in flight or
+    after its commit never came); a save of a step not newer than the
+    newest complete one is refused there and commits nothing; a pointer
+    that cannot be written fails the save, nothing committed."""
+    root = tmp_path / "run"
+    with dcp.CheckpointManager(root, async_save=False, keep_latest=0, save_rng=False) as mgr:
+        for step in (4, 6):
+            assert mgr.save(step, {"x": torch.full((2,), float(step))}, force=True)
+    pointer = json.loads((root / POINTER).read_text())
+    assert pointer == {"step": 6, "save_id": dcp.read_metadata(str(root / "step-6")).save_id,
+                       "previous": 4}
+    storage = open_storage(str(root))
+    seen = []  # the pointer, and whether step 8 is committed, right after NamePointer ran
+
+    def name_then_look(md) -> None:
+        NamePointer(str(root), 8)(md)
+        seen.append((json.loads((root / POINTER).read_text()),
+                     (root / "step-8" / "metadata.json").exists()))
+
+    md = dcp.save({"x": torch.ones(2)}, str(root / "step-8"), before_commit=name_then_look)
+    assert seen == [({"step": 8, "save_id": md.save_id, "previous": 6}, False)]
+    (root / "step-8" / "metadata.json").unlink()  # as if the commit never came
+    assert newest_step(storage) == 6 and newest_step(storage, exclude=[6]) == 4
+    with pytest.raises(dcp.CheckpointError) as e:
+        dcp.save({"x": torch.ones(2)}, str(root / "step-5"),
+                 before_commit=NamePointer(str(root), 5))
+    assert str(e.value).endswith(
+        f"step 5: not committed: step 6 under {str(root)!r} is complete already, and a step "
+        f"must be newer than the newest (a background save of an earlier job that outlived "
+        f"its trainers, or another job saving under the same root)")
+    assert list((root / "step-5").glob("*")) == []
+    (root / POINTER).unlink()
+    (root / POINTER).mkdir()  # the pointer cannot be written
+    with pytest.raises(dcp.CheckpointError, match=r"step 9: not committed: writing .*latest\.json "
+                       r"failed .*could be missed by load_latest"):
+        dcp.save({"x": torch.ones(2)}, str(root / "step-9"),
+                 before_commit=NamePointer(str(root), 9))
+    assert not (root / "step-9" / "metadata.json").exists() and newest_step(storage) == 6
+    with pytest.raises(dcp.CheckpointError, match="before_commit needs a coordinated save"):
+        dcp.async_save({"x": torch.ones(2)}, str(root / "step-10"), coordination="none",
+                       before_commit=NamePointer(str(root), 10))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_step_is_marked_bad_listed_verified_and_pruned(tmp_path, capsys):
+    """A truncated metadata.json in the newest step: load_latest warns
+    naming it, marks it bad and resumes the step before; `hyperdcp list`
+    and `verify` show the mark, `prune` deletes the step (and an
+    interrupted step's folder, emptied); `verify ROOT` names steps in
+    numeric order."""
+    from dcp.tools.cli import main
+    root = tmp_path / "run"
+    with dcp.CheckpointManager(root, async_save=False, keep_latest=0, save_rng=False) as mgr:
+        for step in (5, 10):
+            assert mgr.save(step, {"x": torch.full((3,), float(step))}, force=True)
+    assert main(["verify", str(root)]) == 1
+    assert "it is a folder of 2 checkpoint(s) (step-5, step-10)" in capsys.readouterr().err
+    metadata = root / "step-10" / "metadata.json"
+    saved = metadata.read_bytes()
+    metadata.write_bytes(saved[:len(saved) // 2])
+    target = {"x": torch.zeros(3)}
+    with dcp.CheckpointManager(root, async_save=False, save_rng=False) as mgr:
+        with pytest.warns(dcp.CheckpointWarning) as caught:
+            assert mgr.load_latest(target) == 5
+        assert torch.equal(target["x"], torch.full((3,), 5.0))
+        assert mgr.steps() == [5] and mgr.latest_step() == 5
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(f"{str(root)!r}: step 10 is corrupt and is passed over ("
+                              f"{str(root / 'step-10' / 'metadata.json')}: invalid metadata")
+    assert message.endswith("marked bad (" + str(root / "step-10") + "/bad-step.json, its "
+                            "metadata kept as metadata.json.bad): it no longer counts as "
+                            "complete; load_latest resumes from the newest step that loads")
+    assert (root / "step-10" / "metadata.json.bad").read_bytes() == saved[:len(saved) // 2]
+    (root / "step-12").mkdir()  # a killed save's leftovers
+    (root / "step-12" / "r00000-0.k.data").write_bytes(b"killed")
+    assert main(["list", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "latest.json: step 10 (not committed: a save in flight, or one that failed " \
+                     "or was marked bad), after step 5 (complete)"
+    assert out[2].startswith("step-10: bad (marked by load_latest: " + str(metadata)
+                             + ": invalid metadata")
+    assert out[2].split("): not complete; ")[1].startswith(f"hyperdcp prune {root} deletes it")
+    assert main(["list", str(root), "--json"]) == 0
+    listed = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
+    assert listed["step-10"]["state"] == "bad" and listed["step-5"]["latest"]
+    assert main(["verify", str(root / "step-10")]) == 3
+    assert capsys.readouterr().out.startswith(f"BAD: {root / 'step-10'} was marked bad by "
+                                              f"load_latest: {metadata}: invalid metadata")
+    assert main(["prune", str(root)]) == 0  # its data files are young: a save may be redoing it
+    assert f"{root}: kept step(s) 10 (marked bad)" in capsys.readouterr().out
+    assert (root / "step-10" / "bad-step.json").exists()
+    assert main(["prune", str(root), "--min-age", "0"]) == 0
+    assert f"{root}: deleted step(s) 10 (marked bad)" in capsys.readouterr().out
+    assert _steps_on_disk(root) == [5]  # step-12 emptied and removed too
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "prune     delete what killed saves left, steps marked bad, and old" in \
+        capsys.readouterr().out
+
+
+def test_transient_read_errors_raise_and_mark_nothing(tmp_path):
+    """EIO and a 503 from storage while loading the newest step (here the
+    manager's per-rank record, a raw blob) say nothing about the checkpoint:
+    load_latest raises, naming the file, and marks nothing."""
+    root = f"faulty://{tmp_path / 'run'}"
+    with dcp.CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.save(1, {"count": dcp.PerRank({"seen": 7})}, force=True)
+    for fault in ("EIO", "503"):
+        options = {"methods": ["read_ranges"], "rate": 1.0, "faults": [fault]}
+        with dcp.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+            with pytest.raises(dcp.CheckpointError, match="r00000-objects") as e:
+                mgr.load_latest({"count": dcp.PerRank({})})
+            assert not isinstance(e.value, dcp.CorruptCheckpointError), e.value
+            assert mgr.steps() == [1] and mgr.latest_step() == 1
+    assert not (tmp_path / "run" / "step-1" / "bad-step.json").exists()
+
+
 # ------------------------------- the job SIGKILLed mid-save (separate processes)
 def _free_port() -> int:
     with socket.socket() as s:
@@ -313,9 +446,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(world: int, root: str, out: Path, steps: int, *extra: str) -> list[subprocess.Popen]:
-    """The ranks of a tests/manager_job.py job, in one process group (the first rank's)."""
-    port = _free_port()
+def _start(world: int, root: str, out: Path, steps: int, *extra: str,
+           port: int | None = None) -> list[subprocess.Popen]:
+    """The ranks of a tests/manager_job.py job, in one process group (the
+    first rank's); ``port``: of a store the caller serves (``--store``)."""
+    port = port or _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     leader = None
@@ -406,7 +541,7 @@ def test_manager_sigkill_during_async_save_then_restart_w2(ctx):
         ctx.barrier()
         manager_job.run(ctx.rank, 2, root, str(ctx.dir / f"again-{label}"), 8, options=options)
         again = _records(ctx.dir / f"again-{label}", ctx.rank)
-        assert again[0] == {"resumed": 4}, (label, again[0])
+        assert again[0]["resumed"] == 4, (label, again[0])
         before = {rec["step"]: rec for rec in first if "step" in rec}
         after = {rec["step"]: rec for rec in again if "step" in rec}
         assert sorted(after) == [5, 6, 7, 8], label
@@ -415,6 +550,118 @@ def test_manager_sigkill_during_async_save_then_restart_w2(ctx):
         assert after[8]["pos"] == 8 * (ctx.rank + 1)
         ctx.barrier()
         _drop_shm(root)
+
+
+def _gone(pids: list[int], timeout: float = 120.0) -> None:
+    """Wait until none of ``pids`` runs (exited, or a zombie nobody reaps)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while True:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            if state == "Z":
+                break
+            assert time.monotonic() < deadline, f"process {pid} still runs after {timeout} s"
+            time.sleep(0.05)
+
+
+def _trainers_killed_after_save_then_resumed(ctx) -> None:
+    """A separate job of the group's size (tests/manager_job.py, async
+    saves every 2 steps, keep_latest=2, its store served here as torchrun's
+    agent serves it): every trainer is SIGKILLed once save(6) has returned
+    and its background process writes, and the background processes live
+    on and commit step 6, past the trainers' retention: steps 2, 4 and 6
+    are left.  Then step 6 is the latest; a save of it by a manager that did
+    not resume is refused at the call on every rank; a new job resumes step
+    6 exactly (a digest of every tensor, the loader position and every
+    generator), and its next commit brings retention back to 2 steps."""
+    root, world = str(ctx.dir / "run"), ctx.world_size
+    out = ctx.dir / "first"
+    if ctx.rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        codes: object = "the job timed out and was killed"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            codes = _wait_job(_start(world, root, out, 8, "--kill-trainers-at", "6", "--store",
+                                     port=store.port))
+        if codes == [-signal.SIGKILL] * world:  # until the background processes committed
+            _wait_for(ctx.dir / "run" / "step-6" / "metadata.json", timeout=120)
+        (ctx.dir / "codes").write_text(json.dumps(codes))
+    assert json.loads(_wait_for(ctx.dir / "codes")) == [-signal.SIGKILL] * world
+    killed = _records(out, ctx.rank)[-1]
+    assert killed["killed"] == 6, killed
+    mgr = dcp.CheckpointManager(root, interval=2, async_save=False)
+    assert mgr.steps() == [2, 4, 6] and mgr.latest_step() == 6, (mgr.steps(), mgr.latest_step())
+    with pytest.raises(dcp.CheckpointError) as e:
+        mgr.save(6, {"w": torch.zeros(2)}, force=True)
+    assert "cannot save step 6: it is complete there already" in str(e.value)
+    assert mgr.in_flight is None and not mgr.errors
+    mgr.close()
+    ctx.barrier()
+    manager_job.run(ctx.rank, world, root, str(ctx.dir / "again"), 8, async_save=False)
+    again = _records(ctx.dir / "again", ctx.rank)
+    assert again[0] == {"resumed": 6, "digest": killed["digest"]}, (again[0], killed)
+    assert [rec["step"] for rec in again[1:]] == [7, 8]
+    assert _shared(lambda: complete_steps(open_storage(root).list_files())) == [6, 8]
+    _gone([killed["worker"]])  # exited once their save was done
+
+
+@dist_scenario(world_size=2)
+def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w2(ctx):
+    _trainers_killed_after_save_then_resumed(ctx)
+
+
+@dist_scenario(world_size=4)
+def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w4(ctx):
+    _trainers_killed_after_save_then_resumed(ctx)
+
+
+def _shard(value: float | None, rank: int) -> dcp.TensorShard:
+    """Rank ``rank``'s half of an 8-element tensor: ``value + rank``, or zeros."""
+    data = torch.zeros(4) if value is None else torch.full((4,), value + rank)
+    return dcp.TensorShard(data, (8,), (4 * rank,))
+
+
+@dist_scenario(world_size=2)
+def test_manager_passes_over_corrupt_steps_on_every_rank_and_saves_them_afresh_w2(ctx):
+    """Steps 1-3 saved, each rank its own shard; rank 1's chunk of step 3
+    gets a flipped byte (found by rank 1's CRC check alone) and step 2 a
+    truncated metadata.json (found by rank 0 reading it): load_latest warns
+    on both ranks naming each, marks both bad and resumes step 1 on both,
+    exactly.  Saves of steps 2 and 3 then write them afresh and the marks go."""
+    root = str(ctx.dir / "run")
+    with dcp.CheckpointManager(root, interval=1, keep_latest=0, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            assert mgr.save(step, {"w": _shard(10.0 * step, ctx.rank)})
+    if ctx.rank == 0:
+        (data,) = (ctx.dir / "run" / "step-3").glob("r00001-0.*.data")
+        _flip_byte(data)
+        metadata = ctx.dir / "run" / "step-2" / "metadata.json"
+        metadata.write_bytes(metadata.read_bytes()[:40])
+    ctx.barrier()
+    mgr = dcp.CheckpointManager(root, interval=1, keep_latest=0, async_save=False)
+    target = {"w": _shard(None, ctx.rank)}
+    with pytest.warns(dcp.CheckpointWarning) as caught:
+        assert mgr.load_latest(target) == 1
+    assert torch.equal(target["w"].data, torch.full((4,), 10.0 + ctx.rank))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "step 3 is corrupt" in messages[0], messages
+    assert "'w': checksum mismatch" in messages[0] and "marked bad" in messages[0]
+    assert "step 2 is corrupt" in messages[1] and "invalid metadata" in messages[1], messages
+    assert mgr.steps() == [1] and mgr.latest_step() == 1
+    for step in (2, 3):
+        assert mgr.save(step, {"w": _shard(100.0 * step, ctx.rank)})
+    mgr.wait()
+    assert _shared(mgr.steps) == [1, 2, 3]
+    assert _shared(lambda: sorted(p.name for p in (ctx.dir / "run" / "step-3").iterdir()
+                                  if "bad" in p.name)) == []
+    target = {"w": _shard(None, ctx.rank)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.load_latest(target) == 3
+    assert torch.equal(target["w"].data, torch.full((4,), 300.0 + ctx.rank))
+    mgr.close()
 
 
 @dist_scenario(world_size=2)

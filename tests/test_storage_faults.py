@@ -68,6 +68,20 @@ def test_persistent_faults_fail_cleanly_and_keep_the_previous_checkpoint(kind, t
     _assert_holds(url, 1, options)
 
 
+def test_a_failed_save_into_a_new_folder_leaves_no_folder(tmp_path):
+    """The save deletes what it wrote, then the folder it made; a folder
+    that was there before stays."""
+    url = str(tmp_path / "run" / "step-1")
+    with pytest.raises(dcp.CheckpointError, match="failed"):
+        dcp.save(_state(1), url, storage=open_storage(f"faulty://{url}", **PERSISTENT))
+    assert not (tmp_path / "run" / "step-1").exists()
+    (tmp_path / "made").mkdir()
+    with pytest.raises(dcp.CheckpointError, match="failed"):
+        dcp.save(_state(1), str(tmp_path / "made"),
+                 storage=open_storage(f"faulty://{tmp_path / 'made'}", **PERSISTENT))
+    assert (tmp_path / "made").is_dir() and not list((tmp_path / "made").iterdir())
+
+
 def test_invalid_fault_options_are_refused(tmp_path):
     with pytest.raises(dcp.CheckpointError, match="invalid fault options"):
         open_storage(f"faulty://{tmp_path}", faults=["EPERM"])

@@ -443,6 +443,19 @@ def test_compat_runs_torch_dcp_code(ctx):
     _check_expected(model2, opt2, expected, "compat FileSystemReader")
     assert target["extra"] == {"note": "hi", "blob": b"\x01\x02"}, target["extra"]
 
+    # Accelerate's calls, through the alias: torch's deprecated save_state_dict / load_state_dict
+    accel = ctx.dir / "accelerate"
+    dcp_.save_state_dict(state_dict=state_dict, storage_writer=dcp_.FileSystemWriter(accel),
+                         planner=dcp_.DefaultSavePlanner())
+    model4 = _fsdp_model(ws, seed=4)
+    opt4 = torch.optim.AdamW(model4.parameters(), lr=0.3)
+    _train(model4, opt4, torch.optim.lr_scheduler.StepLR(opt4, 1), seed=2, steps=1)
+    target = {"app": AppState(model4, opt4), "extra": {"note": "", "blob": b""}}
+    dcp_.load_state_dict(state_dict=target, storage_reader=dcp_.FileSystemReader(accel),
+                         planner=dcp_.DefaultLoadPlanner())
+    _check_expected(model4, opt4, expected, "compat save_state_dict/load_state_dict")
+    assert target["extra"] == {"note": "hi", "blob": b"\x01\x02"}, target["extra"]
+
     # a key the checkpoint lacks: torch raises too; allow_partial_load loads the rest
     partial = {"app": AppState(_fsdp_model(ws, seed=6), None), "new": torch.full((2,), 7.0)}
     partial["app"].opt = torch.optim.AdamW(partial["app"].model.parameters(), lr=0.3)
@@ -520,6 +533,96 @@ def test_compat_no_dist_single_process(tmp_path):
         dcp.compat.save(sd, storage_writer=object())
     with pytest.raises(dcp.CheckpointError, match="give checkpoint_id"):
         dcp.compat.load(target)
+
+
+def test_compat_names_used_through_the_module_alias(tmp_path):
+    """What Accelerate (``dist_cp.save_state_dict(state_dict=...,
+    storage_writer=dist_cp.FileSystemWriter(d), planner=DefaultSavePlanner())``)
+    and Lightning (``save_state_dict(state, FileSystemWriter(path=...,
+    single_file_per_rank=True))``, ``load_state_dict(state, reader)``) reach
+    through ``import torch.distributed.checkpoint as dist_cp``, with
+    ``dcp.compat`` in its place: loads exact; torch's own objects where
+    they are settings; clear refusals naming the way."""
+    import torch.distributed.checkpoint as torch_dcp
+
+    import dcp.compat as dist_cp
+
+    model = _mlp(0)
+    sd = {"model": model.state_dict(), "step": 3}
+    d = tmp_path / "accelerate"
+    md = dist_cp.save_state_dict(state_dict=sd, storage_writer=dist_cp.FileSystemWriter(d),
+                                 planner=dist_cp.DefaultSavePlanner())
+    assert isinstance(md, dist_cp.Metadata) and isinstance(md, dcp.Metadata)
+    target = {"model": _mlp(1).state_dict(), "step": 0}
+    dist_cp.load_state_dict(state_dict=target, storage_reader=dist_cp.FileSystemReader(d),
+                            planner=dist_cp.DefaultLoadPlanner())
+    for k, v in sd["model"].items():
+        assert_bitwise_equal(target["model"][k], v, k)
+    assert target["step"] == 3
+
+    lightning = tmp_path / "lightning.ckpt"  # Lightning's folder name; positional writer
+    dist_cp.state_dict_saver.save_state_dict(
+        sd, dist_cp.FileSystemWriter(path=lightning, single_file_per_rank=True))
+    target = {"model": _mlp(2).state_dict(), "step": 0}
+    dist_cp.state_dict_loader.load_state_dict(target, dist_cp.FileSystemReader(lightning))
+    for k, v in sd["model"].items():
+        assert_bitwise_equal(target["model"][k], v, k)
+    target = {"model": _mlp(3).state_dict(), "step": 0}
+    dist_cp.load(target, checkpoint_id=lightning)
+    assert_bitwise_equal(target["model"]["0.weight"], sd["model"]["0.weight"], "load")
+
+    # torch's own objects, hyperdcp's where it has one
+    assert dist_cp.FileSystemWriter is torch_dcp.FileSystemWriter
+    assert dist_cp.DefaultLoadPlanner is torch_dcp.DefaultLoadPlanner
+    assert dist_cp.state_dict_saver.AsyncCheckpointerType.PROCESS.value == "process"
+    assert dist_cp.CheckpointException is dcp.CheckpointError
+    from dcp.core.planner import SavePlanner
+    assert dist_cp.SavePlanner is SavePlanner
+
+    # torch's way out, not hyperdcp keywords
+    with pytest.raises(dist_cp.CheckpointException) as e:
+        dist_cp.save_state_dict(sd, dist_cp.FileSystemWriter(d, overwrite=False))
+    assert "FileSystemWriter(..., overwrite=True)" in str(e.value), str(e.value)
+    with pytest.raises(dcp.CheckpointError) as e:
+        dist_cp.load_state_dict({**target, "new": torch.zeros(1)}, dist_cp.FileSystemReader(d))
+    assert "planner=DefaultLoadPlanner(allow_partial_load=True)" in str(e.value), str(e.value)
+    assert "strict" not in str(e.value), str(e.value)
+
+    # refusals: at the call, or at the name (hasattr says False)
+    with pytest.raises(dcp.CheckpointError, match="get_optimizer_state_dict"):
+        dist_cp.load_sharded_optimizer_state_dict(target["model"], "optimizer",
+                                                  dist_cp.FileSystemReader(d))
+    assert not hasattr(dist_cp, "StorageWriter")
+    with pytest.raises(dcp.CheckpointError, match="StorageReader.s I/O would not run"):
+        dist_cp.StorageReader  # noqa: B018
+    with pytest.raises(dcp.CheckpointError, match="Hugging Face safetensors"):
+        dist_cp.save(sd, storage_writer=torch_dcp.HuggingFaceStorageWriter(str(tmp_path / "hf")))
+    with pytest.raises(AttributeError, match="has torch.distributed.checkpoint's save, load"):
+        dist_cp.no_such_name  # noqa: B018
+
+
+def test_a_torch_dcp_checkpoint_or_a_file_says_what_it_is(tmp_path):
+    """Loaded as a checkpoint: a PyTorch DCP checkpoint says so and how to
+    convert it once; a regular file says it is a file."""
+    import warnings
+
+    import torch.distributed.checkpoint as torch_dcp
+
+    path = tmp_path / "torch_dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)
+    (tmp_path / "model.pt").write_bytes(b"not a folder")
+    for where, says in ((path, f"it is a PyTorch DCP checkpoint (.metadata, a pickle): convert "
+                               f"it once, if you trust it, with `hyperdcp convert "
+                               f"--trust-pickle {path} DST`"),
+                        (tmp_path / "model.pt", "it is a file, not a folder")):
+        for call in (lambda w=where: dcp.compat.load({"w": torch.zeros(2)}, checkpoint_id=w),
+                     lambda w=where: dcp.load({"w": torch.zeros(2)}, str(w)),
+                     lambda w=where: dcp.read_metadata(str(w))):
+            with pytest.raises(dcp.NotACheckpointError) as e:
+                call()
+            assert says in str(e.value), str(e.value)
 
 
 def test_stateful_errors_name_the_fqn(tmp_path):

@@ -10,11 +10,18 @@ Coordination of the background processes (``coordination=``):
 
 * ``"gloo"``: a dedicated CPU gloo group of the workers, built from the job's
   rendezvous store under a prefix unique to this saver (never the trainer's
-  groups); rebuilt after a failed save.
+  groups); rebuilt after a failed save.  Ranks that passed different
+  checkpoint ids fail at the first step, on every rank, naming the ids.
 * ``"file"``: the file-flag protocol over the checkpoint's own storage
-  (:mod:`dcp.coordination.file_flag`): no communicator at all.
+  (:mod:`dcp.coordination.file_flag`): no communicator at all.  Ranks that
+  passed different ids meet in different folders, so they fail only by
+  ``timeout`` (the message names that cause); nothing is committed.
 * ``"none"``: no cross-rank traffic; each rank commits its own metadata file
-  and readers merge them (:mod:`dcp.coordination.independent`).
+  and readers merge them (:mod:`dcp.coordination.independent`).  Nothing
+  compares the ranks' ids: with different ids every rank's ``result()``
+  returns, and each folder holds one rank's metadata file, which a load
+  refuses as an incomplete checkpoint (never loaded, but not an error at
+  save time either).
 
 All ranks of the group must call :func:`async_save` in the same order (it is
 collective, like :func:`dcp.save`).  Once per job, at the first call, the
@@ -80,7 +87,7 @@ from dcp.core.storage import StoragePlugin
 from dcp.errors import CheckpointError
 from dcp.orchestration import pending
 from dcp.orchestration.gc_pause import gc_paused
-from dcp.orchestration.save import describe_state
+from dcp.orchestration.save import BeforeCommit, describe_state
 
 COORDINATIONS = ("gloo", "file", "none")
 
@@ -180,6 +187,7 @@ class _Options:
     allow_pickle: bool
     blocking_staging: bool
     timeout: float
+    before_commit: BeforeCommit | None
 
 
 def _as_error(e: BaseException, rank: int, what: str) -> CheckpointError:
@@ -249,7 +257,7 @@ class _Saver:
             seq=seq, save_id=f"{self.token}{seq:08d}", checkpoint_id=checkpoint_id,
             storage=options.storage, storage_options=options.storage_options,
             planner=options.planner, coordination=options.coordination,
-            overwrite=options.overwrite,
+            overwrite=options.overwrite, before_commit=options.before_commit,
             json_values=state.json_values if state else {}, pickled=state.pickled if state else {},
             rank=self.rank, world_size=self.world_size, timeout=options.timeout,
             rendezvous=rendezvous, layout=layout, plan_entries=[], error=error)
@@ -306,7 +314,7 @@ class _Saver:
                 self.worker.submit(job)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 # the storage or planner does not pickle: the save fails on every rank
-                job = replace(job, storage=None, planner=None,
+                job = replace(job, storage=None, planner=None, before_commit=None,
                               error=_as_error(e, self.rank, "sending the save to its worker"))
                 self.worker.submit(job)
             self.worker_layout = layout
@@ -342,7 +350,8 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
                coordination: str = "gloo", overwrite: bool = False, allow_pickle: bool = False,
                storage_options: dict | None = None, blocking_staging: bool = True,
                callback: Callable[[AsyncSaveResponse], None] | None = None,
-               timeout: float = 600.0) -> AsyncSaveResponse:
+               timeout: float = 600.0,
+               before_commit: BeforeCommit | None = None) -> AsyncSaveResponse:
     """Save a (sharded) state dict in the background; collective over the
     group, like :func:`dcp.save`, whose checkpoints it writes.
 
@@ -369,22 +378,30 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
             and ``import torch``), and each background process's for the
             others at one coordination step (at a first save, that includes
             the others' start).  Writing itself is not bounded.
+        before_commit: as for :func:`dcp.save`; run in rank 0's background
+            process, so it must pickle (a module-level function or class
+            instance).  Not with ``coordination="none"``, which has no
+            single commit.
 
     Returns:
         An :class:`AsyncSaveResponse`.
 
     Raises:
-        CheckpointError: for an unknown ``coordination``.  Every other
+        CheckpointError: for an unknown ``coordination``, or
+        ``before_commit`` with ``coordination="none"``.  Every other
         failure, staging included, is raised by
         :meth:`AsyncSaveResponse.result` on every rank.
     """
     if coordination not in COORDINATIONS:
         raise CheckpointError(f"coordination must be one of {', '.join(COORDINATIONS)}, "
                               f"not {coordination!r}")
+    if before_commit is not None and coordination == "none":
+        raise CheckpointError("before_commit needs a coordinated save (coordination 'gloo' or "
+                              "'file'): with 'none' each rank commits its own metadata file")
     pending.wait()
     saver = _saver_for(process_group)
     options = _Options(planner, storage, dict(storage_options or {}), coordination, overwrite,
-                       allow_pickle, blocking_staging, float(timeout))
+                       allow_pickle, blocking_staging, float(timeout), before_commit)
     with gc_paused():
         response = saver.save(state_dict, str(checkpoint_id), options,
                               pending.begin(str(checkpoint_id)))

@@ -11,25 +11,27 @@ next save: as long as the chunks' sizes, dtypes and devices stay the same,
 staging allocates nothing and is one copy per chunk.
 
 Device tensors are copied device-to-host with ``non_blocking=True`` on their
-device's current stream, then an event of that device (``torch.Event``, the
-accelerator-generic API) marks the end of the copies.  For CUDA sources the
-buffer is page-locked once (``cudaHostRegister``), so those copies are true
-DMA transfers; other accelerators copy into pageable memory (correct, but
-without overlap).  CPU tensors are copied with ``Tensor.copy_`` (a memcpy that
-releases the GIL).
+device's current stream (the caller's), then an event of that device
+(``torch.Event``, the accelerator-generic API) marks the end of the copies
+(:func:`dcp.core.devices.copy_from_devices`).  For accelerator sources the
+buffer is page-locked once (:func:`dcp.core.devices.page_lock`:
+``cudaHostRegister`` on CUDA, ``npuHostRegister`` on torch_npu builds that
+have it), so those copies are true DMA transfers; where the runtime cannot or
+will not, they copy into pageable memory (correct, but without overlap), and
+a warning says so.  CPU tensors are copied with ``Tensor.copy_`` (a memcpy
+that releases the GIL).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from dcp.core import tensors
+from dcp.core import devices, tensors
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.core.storage import ALIGNED_CHUNK_BYTES
 from dcp.orchestration.save import SaveState
@@ -97,13 +99,6 @@ def _specs(state: SaveState) -> list[ChunkSpec]:
     return specs
 
 
-def _page_lock(buffer: torch.Tensor) -> None:
-    """Register ``buffer`` as pinned memory with CUDA until it is freed."""
-    cudart = torch.cuda.cudart()
-    if cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0) == 0:
-        weakref.finalize(buffer.untyped_storage(), cudart.cudaHostUnregister, buffer.data_ptr())
-
-
 class Stager:
     """Copies a rank's chunks into its reused shared staging buffer.
 
@@ -135,15 +130,7 @@ class Stager:
         self.bytes_staged += sum(s.nbytes for s in specs)
         staged: Future = Future()
         host = [(v, s) for v, s in zip(self._views, sources, strict=True) if s.device.type == "cpu"]
-        devices = {s.device for s in sources if s.device.type != "cpu"}
-        with torch.no_grad():
-            for view, source in zip(self._views, sources, strict=True):
-                if source.device.type != "cpu":
-                    view.copy_(source, non_blocking=True)
-        events = []
-        for device in devices:
-            events.append(torch.Event(device=device))
-            events[-1].record(torch.accelerator.current_stream(device))
+        events = devices.copy_from_devices(list(zip(self._views, sources, strict=True)))
 
         def finish() -> None:
             with torch.no_grad():
@@ -174,8 +161,8 @@ class Stager:
         shared = torch.empty(end + PAGE, dtype=torch.uint8).share_memory_()
         shift = -shared.data_ptr() % PAGE
         buffer = shared[shift:shift + end]
-        if any(s.device == "cuda" for s in specs):
-            _page_lock(buffer)
+        for device_type in {s.device for s in specs if s.device != "cpu"}:
+            devices.page_lock(buffer, device_type)
         self.layout = Layout(buffer, specs)
         self._views = self.layout.views()
         self.allocations += 1

@@ -63,7 +63,7 @@ from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError
 from dcp.orchestration.gc_pause import gc_paused
-from dcp.orchestration.save import SaveState, _Save
+from dcp.orchestration.save import BeforeCommit, SaveState, _Save
 
 #: The exit code of a worker that found itself re-running the training
 #: script's unguarded code (:func:`refuse_main_rerun`).
@@ -103,6 +103,7 @@ class SaveJob:
     planner: SavePlanner | None
     coordination: str
     overwrite: bool
+    before_commit: BeforeCommit | None
     json_values: dict[str, str]
     pickled: dict[str, bytes]
     rank: int
@@ -284,6 +285,17 @@ def _main(conn) -> None:
         cleanup()
 
 
+def _closing(coord: FileCoordinator, save: _Save) -> Callable[[], None]:
+    """The cleanup after a failed save over exchange files: they go
+    (:meth:`FileCoordinator.close`), then the folder if the save made it
+    (its exchange files made it, and outlived the save's discard)."""
+    def cleanup() -> None:
+        coord.close()
+        save.remove_folder()
+
+    return cleanup
+
+
 class _Worker:
     """What a worker keeps across saves: the staging layout, the plan cache
     and its gloo group."""
@@ -301,6 +313,7 @@ class _Worker:
         for entry in job.plan_entries:
             self.cache.add(entry)
         cleanup: Callable[[], None] = lambda: None  # noqa: E731
+        failed = cleanup  # the cleanup after a failure
         try:
             storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
             planner = (job.planner if job.planner is not None
@@ -319,13 +332,14 @@ class _Worker:
                 outcome = Outcome(job.seq, metadata)
             else:
                 coord = self._coordinator(job, storage)
+                save = _Save(describe, storage, planner, coord, job.overwrite, job.before_commit)
                 if isinstance(coord, FileCoordinator):
                     cleanup = coord.close
+                    failed = _closing(coord, save)
                     # like the gloo workers' meeting: no rank starts writing
                     # while another still stages (nor past a staging failure)
                     coord.run_all("waiting for every rank to stage", describe)
-                done = self.cache.save(_Save(describe, storage, planner, coord, job.overwrite),
-                                       job.save_id)
+                done = self.cache.save(save, job.save_id)
                 self.group_ok = job.coordination == "gloo"
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
@@ -335,6 +349,7 @@ class _Worker:
                 e = CheckpointError(f"rank {job.rank}: async save of {job.checkpoint_id!r} failed: "
                                     f"{type(e).__name__}: {e}")
             outcome = Outcome(job.seq, error=e)
+            cleanup = failed
         outcome.persist_s = time.perf_counter() - start
         return outcome, cleanup
 

@@ -2,11 +2,24 @@
 
 The load planner names the replica groups of a load and, in one order that
 every member follows, the batches (:class:`~dcp.core.planner.Transfer`) each
-group's reader sends.  This module creates those groups with
-``torch.distributed.new_group`` (all ranks, in the plan's order, so they
-agree without extra traffic), runs the broadcasts asynchronously so that a
-batch is sent as soon as it has been read while the next reads go on, keeps
-the bytes in flight under a bound, and destroys the groups afterwards.
+group's reader sends.  This module gives each group a gloo communicator,
+runs the broadcasts asynchronously so that a batch is sent as soon as it has
+been read while the next reads go on, and keeps the bytes in flight under a
+bound.
+
+Every buffer is host memory and every group is gloo, whatever the backend
+of the load's group: regions are read from storage into host memory, and
+the targets copy them onward from there.  A group of the whole load is the
+load's coordination group (:func:`dcp.coordination.collectives.coordination_group`,
+gloo); any other is a gloo communicator (``ProcessGroupGloo``) that only
+its members make, over the job's rendezvous store under a name of the
+load's session and the group's place in the plan.  Neither
+``torch.distributed.new_group`` way fits: without
+``use_local_synchronization`` every rank of the *job* must call it, which
+ranks outside a load's subgroup never do; with it, torch names the group
+from its ranks and how many groups the calling process holds, which differ
+between members that belong to different earlier groups (two overlapping
+replica groups), so they would wait for each other under different names.
 
 No deadlock: every rank issues its transfers in the one global order and
 only ever waits on transfers it has already issued; the earliest unfinished
@@ -21,55 +34,61 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
-from dcp.errors import CheckpointError
+from dcp.coordination.collectives import group_timeout
+
+#: How a broadcast is issued on one group: ``(buffer, root)`` -> its work,
+#: ``root`` the sender's rank in the group.
+_Issue = Callable[[torch.Tensor, int], Any]
 
 
 class ReplicaGroups:
-    """The process groups of a load's replica groups (ranks of
-    ``process_group``); a context manager that destroys the ones it made."""
+    """The communicators of a load's replica groups (ranks of the load's
+    group ``coordination``, a gloo group whose global ranks are
+    ``members``), made by the members of each, named by ``session`` (one
+    name per load, the same on every rank).  A context manager: leaving it
+    shuts the communicators it made down."""
 
-    def __init__(self, groups: list[tuple[int, ...]], process_group, world_size: int) -> None:
-        self._groups: dict[tuple[int, ...], object] = {}
-        self._created: list[Any] = []
-        for ranks in groups:
-            if len(ranks) == world_size:
-                self._groups[ranks] = process_group
-                continue
-            global_ranks = [dist.get_global_rank(process_group, r) if process_group else r
-                            for r in ranks]
-            group = dist.new_group(global_ranks)
-            self._groups[ranks] = group
-            self._created.append(group)
-        self._parent = process_group
+    def __init__(self, groups: list[tuple[int, ...]], coordination: Any,
+                 members: tuple[int, ...], session: str) -> None:
+        self._issue: dict[tuple[int, ...], _Issue] = {}
+        self._made: list[Any] = []
+        me = dist.get_rank()
+        timeout = group_timeout(coordination) or dist.default_pg_timeout
+        for k, ranks in enumerate(groups):
+            if len(ranks) == len(members):
+                self._issue[ranks] = _on_group(coordination)
+            elif me in (mine := [members[r] for r in ranks]):
+                store = dist.PrefixStore(f"hyperdcp/replicas/{session}/{k}/",
+                                         _get_default_store())
+                gloo = dist.ProcessGroupGloo(store, mine.index(me), len(mine), timeout)
+                self._made.append(gloo)
+                self._issue[ranks] = _on_backend(gloo)
 
-    def group(self, ranks: tuple[int, ...]):
-        """The process group of ``ranks``."""
-        return self._groups[ranks]
-
-    def global_rank(self, src: int) -> int:
-        """``src`` (a rank of the load's group) as a global rank."""
-        return dist.get_global_rank(self._parent, src) if self._parent else src
+    def broadcast(self, ranks: tuple[int, ...], src: int, buffer: torch.Tensor) -> Any:
+        """Start the broadcast of ``buffer`` from ``src`` (a rank of the
+        load) to ``ranks``; returns its work."""
+        return self._issue[ranks](buffer, ranks.index(src))
 
     def __enter__(self) -> ReplicaGroups:
         return self
 
     def __exit__(self, *exc) -> None:
-        for group in self._created:
-            dist.destroy_process_group(group)
+        self._made.clear()  # a ProcessGroupGloo joins its threads when freed
 
 
-def comm_device(process_group) -> torch.device:
-    """Where broadcast buffers live: host memory for gloo, else the current
-    accelerator (CUDA/NCCL, NPU/HCCL)."""
-    backend = str(dist.get_backend(process_group))
-    if "gloo" in backend:
-        return torch.device("cpu")
-    device = torch.accelerator.current_accelerator()
-    if device is None:
-        raise CheckpointError(f"process group backend {backend!r} is not gloo, and torch finds "
-                              f"no accelerator to hold its broadcast buffers")
-    return device
+def _on_group(group: Any) -> _Issue:
+    return lambda buffer, root: dist.broadcast(buffer, group=group, group_src=root,
+                                               async_op=True)
+
+
+def _on_backend(gloo: Any) -> _Issue:
+    def issue(buffer: torch.Tensor, root: int) -> Any:
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = root, 0
+        return gloo.broadcast([buffer], options)
+    return issue
 
 
 class Broadcaster:
@@ -84,11 +103,11 @@ class Broadcaster:
 
     def start(self, ranks: tuple[int, ...], src: int, buffer: torch.Tensor,
               on_done: Callable[[], None]) -> None:
-        """Broadcast ``buffer`` (a flat uint8 tensor) from ``src`` to ``ranks``."""
+        """Broadcast ``buffer`` (a flat uint8 host tensor) from ``src`` to
+        ``ranks``."""
         while self.inflight and self.bytes + buffer.numel() > self.limit:
             self._finish_oldest()
-        work = dist.broadcast(buffer, self.groups.global_rank(src),
-                              group=self.groups.group(ranks), async_op=True)
+        work = self.groups.broadcast(ranks, src, buffer)
         self.inflight.append((work, buffer.numel(), on_done))
         self.bytes += buffer.numel()
 

@@ -214,23 +214,42 @@ class CoordinatorBase(abc.ABC):
 
 
 #: Gloo groups made for coordination over groups of another backend, by
-#: their members' global ranks.
-_gloo_groups: dict[tuple[int, ...], Any] = {}
+#: the group (a default group made anew, after ``destroy_process_group``,
+#: gets its own).
+_gloo_groups: dict[Any, Any] = {}
 
 
 def coordination_group(process_group: Any = None) -> Any:
     """``process_group`` (the default group if ``None``) if it runs on gloo,
-    else a gloo group of the same ranks, made once (only its members take
-    part).  Coordination never goes through an accelerator communicator: an
-    object gather over NCCL stages every rank's plan in accelerator memory,
-    which is what ran out of memory on MoE models in public reports."""
+    else a gloo group of the same ranks and timeout, made once (only its
+    members take part: ``use_local_synchronization``).  Coordination never
+    goes through an accelerator communicator: an object gather over NCCL
+    stages every rank's plan in accelerator memory, which is what ran out of
+    memory on MoE models in public reports, and needs ``set_device`` on
+    every rank.
+
+    torch names a group made this way from its ranks and the number of
+    groups the calling process holds, so its members call it first holding
+    as many groups (as every rank of a job that builds its meshes alike
+    does)."""
     if "gloo" in str(dist.get_backend(process_group)):
         return process_group
-    members = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-    if members not in _gloo_groups:
-        _gloo_groups[members] = dist.new_group(list(members), backend="gloo",
-                                               use_local_synchronization=True)
-    return _gloo_groups[members]
+    group = process_group if process_group is not None else dist.group.WORLD
+    if group not in _gloo_groups:
+        _gloo_groups[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                             timeout=group_timeout(group),
+                                             use_local_synchronization=True)
+    return _gloo_groups[group]
+
+
+def group_timeout(group: Any = None) -> Any:
+    """The collective timeout ``group`` (the default group if ``None``) was
+    made with (a ``timedelta``), or ``None`` where its backend does not say."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return group._get_backend(group._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
 
 
 def _outgoing(value: Any) -> Any:

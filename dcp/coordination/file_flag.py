@@ -59,7 +59,11 @@ Timeouts: the coordinator waits ``timeout`` seconds for the ranks' inputs and
 then answers everyone with a failure naming the ranks that never arrived; a
 rank waits twice as long for an answer (so that it normally gets that
 failure) and then raises naming the coordinator — a coordinator killed
-between steps surfaces so on every other rank.
+between steps surfaces so on every other rank.  Ranks that passed
+different checkpoint ids meet only so: each waits in the folder of its own
+id, where the others never write (the gloo coordination compares the ids
+at once), so they fail by these timeouts, whose messages say so, and the
+coordinator, lacking their parts, commits nothing.
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ _ANSWER_MAGIC = b"DCPA"
 # part length, part CRC-32C, CRC-32C of the preceding 28 bytes
 _ENTRY = struct.Struct("<4sHHIQIII")
 ENTRY_BYTES = _ENTRY.size  # 32
+#: What a timeout may also mean: the ranks meet under the checkpoint id
+#: only, so ranks that passed different ids never meet.
+_OTHER_ID = (" (a rank died or hung, or the ranks passed different checkpoint ids: they meet "
+             "in exchange files under the id each passed, so a rank with another id waits in "
+             "another folder, and nothing is committed)")
 
 
 def poll_times(first: float) -> Iterator[float]:
@@ -269,7 +278,7 @@ class FileCoordinator(CoordinatorBase):
         for rank in pending:
             parts[rank] = (None, failure_of(rank, (
                 f"rank {rank} never arrived: no complete exchange file {names[rank]!r} in "
-                f"{self.storage.checkpoint_id!r} after {self.timeout:g} s")))
+                f"{self.storage.checkpoint_id!r} after {self.timeout:g} s{_OTHER_ID}")))
         return [parts[r] for r in range(self.world_size)]
 
     def _reply(self, step, phase, shared, value):
@@ -292,7 +301,7 @@ class FileCoordinator(CoordinatorBase):
             raise CheckpointError(
                 f"{phase}: rank {self.rank} got no answer from the coordinator (rank 0) "
                 f"within {2 * self.timeout:g} s: no complete {name!r} in "
-                f"{self.storage.checkpoint_id!r}")
+                f"{self.storage.checkpoint_id!r}{_OTHER_ID}")
         return wire.decode(part, name)
 
     def _delete_consumed(self) -> None:

@@ -8,9 +8,9 @@ ends.  Here the reading rank writes the region once into a file under
 ``/dev/shm`` (tmpfs: memory, no disk) and every other member maps it and
 copies straight into its target tensor: one copy per receiver, no socket
 (and, being a mapping, not counted as a read in ``/proc/self/io``).  Across
-hosts, and for accelerator targets (NCCL/HCCL), the load uses
-:mod:`dcp.coordination.broadcast` instead; the load planner marks which
-transfers go which way (:attr:`dcp.core.planner.Transfer.shared_memory`).
+hosts the load uses :mod:`dcp.coordination.broadcast` instead; the load
+planner marks which transfers go which way
+(:attr:`dcp.core.planner.Transfer.shared_memory`).
 
 Protocol, per transfer (named by a key every member derives from the plan):
 
@@ -39,6 +39,7 @@ rank that died raises on its receivers instead of hanging them.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -100,6 +101,7 @@ class HostExchange:
         self.free_slots: list[int] = []
         self.slots = 0
         self.errors: list[str] = []
+        self.aborted = False
 
     def _slot_path(self, slot: int) -> str:
         return f"{self.prefix}r{self.rank}.{slot}"
@@ -108,7 +110,10 @@ class HostExchange:
         """Make the bytes of ``views`` (in order) available to ``receivers``
         under ``key``; waits first if the bound on bytes in flight is hit.
 
-        Raises ``OSError`` if ``/dev/shm`` is full."""
+        Raises ``OSError`` if ``/dev/shm`` is full, :class:`CheckpointError`
+        once :meth:`abort` was called."""
+        if self.aborted:
+            raise CheckpointError(f"rank {self.rank}: the load failed here")
         nbytes = sum(v.nbytes for v in views)
         while self.pending and self.inflight + nbytes > self.limit:
             self._reap_oldest()
@@ -170,16 +175,27 @@ class HostExchange:
         key, nbytes, receivers, slot = self.pending.popleft()
         flag = self.prefix + key
         markers = [f"{flag}.{r}" for r in receivers]
-        _poll(lambda: all(os.path.exists(m) for m in markers), self.timeout_s,
+        _poll(lambda: self.aborted or all(os.path.exists(m) for m in markers), self.timeout_s,
               f"rank {self.rank}: waiting for ranks {list(receivers)} to take {flag}")
+        if self.aborted:  # withdrawn: a receiver still to come reads why
+            self.fail(key, f"rank {self.rank}: the load failed on this rank")
         for name in (flag, *markers):
-            os.unlink(name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
         self.inflight -= nbytes
         self.free_slots.append(slot)
 
+    def abort(self) -> None:
+        """The load failed on this rank: stop waiting for receivers (call
+        from any thread).  What is published and not yet taken is
+        withdrawn, each with a failure note its receivers read at once, and
+        further publishing raises, so the reader's thread ends promptly."""
+        self.aborted = True
+
     def close(self) -> None:
-        """Wait until every receiver took what this rank published, then
-        delete it and the slot files."""
+        """Wait until every receiver took what this rank published (after
+        :meth:`abort`, withdraw it instead), then delete it and the slot
+        files."""
         while self.pending:
             self._reap_oldest()
         for slot in range(self.slots):

@@ -22,11 +22,13 @@ the same save id.  :func:`read_metadata_bytes` merges them.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 from dcp.core.boxes import volume
 from dcp.core.metadata import (
     METADATA_FILE,
+    TORCH_METADATA_FILE,
     Metadata,
     TensorMeta,
     decode,
@@ -100,8 +102,15 @@ def what_is_there(storage: StoragePlugin) -> str:
 
     try:
         names = storage.list_files()
+    except NotADirectoryError:
+        return f"it is a file, not a folder (a checkpoint is a folder holding {METADATA_FILE})"
     except Exception as e:  # the message is about the missing metadata: say what we could
         return f"no committed {METADATA_FILE}, and listing it failed ({type(e).__name__}: {e})"
+    if TORCH_METADATA_FILE in names:
+        return (f"it is a PyTorch DCP checkpoint ({TORCH_METADATA_FILE}, a pickle): convert it "
+                f"once, if you trust it, with `hyperdcp convert --trust-pickle "
+                f"{storage.checkpoint_id} DST` and load DST (or load it with "
+                f"torch.distributed.checkpoint)")
     if not names:
         exists = storage.location_exists()
         if exists is None:
@@ -116,7 +125,7 @@ def what_is_there(storage: StoragePlugin) -> str:
                 f"`hyperdcp prune {storage.checkpoint_id}` deletes what an interrupted save "
                 f"left")
     below = sorted({n.rsplit("/", 1)[0] for n in names if "/" in n
-                    and file_kind(n.rsplit("/", 1)[1]) == "metadata"})
+                    and file_kind(n.rsplit("/", 1)[1]) == "metadata"}, key=_natural)
     if below:
         shown = ", ".join(below[:5]) + (", ..." if len(below) > 5 else "")
         return (f"it is a folder of {len(below)} checkpoint(s) ({shown}); pass one of them "
@@ -124,6 +133,11 @@ def what_is_there(storage: StoragePlugin) -> str:
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return (f"it exists but holds no committed {METADATA_FILE} nor {rank_metadata_file(0)}, "
             f"only {len(names)} other file(s) ({shown})")
+
+
+def _natural(name: str) -> list:
+    """Sort key putting ``step-5`` before ``step-10``: digit runs by value."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def read_metadata_bytes(storage: StoragePlugin) -> bytes:
@@ -139,12 +153,12 @@ def read_metadata_bytes(storage: StoragePlugin) -> bytes:
     """
     try:
         return storage.read_file(METADATA_FILE)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none, or the root is a file
         pass
     where = f"{storage.checkpoint_id}/{rank_metadata_file(0)}"
     try:
         first = decode(storage.read_file(rank_metadata_file(0)), where)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise NotACheckpointError(
             f"{storage.checkpoint_id!r} is not a checkpoint: {what_is_there(storage)}") from None
     parts, missing = [first], []

@@ -30,9 +30,14 @@ planning.  When every rank misses, they send their local plans in that same
 step and the save goes on as an uncached one.  When some hit and some miss
 (a layout changed on some ranks), the coordinator asks all for their local
 plans in a second step, in which ranks that wrote speculatively delete
-those files.  A changed layout costs an exchange, never a stale plan.  Any
-failure empties the cache (on every rank, since failures reach every rank),
-so the next save exchanges.
+those files.  A changed layout costs an exchange, never a stale plan.
+Every rank's part of that first step also carries its checkpoint id
+(:func:`~dcp.core.storage.location_key`), hit or miss, and the coordinator
+refuses the save if they differ (the ranks would write into several
+folders, and the metadata would name files of the others): what ranks
+wrote speculatively is deleted, nothing is committed.  Any failure empties
+the cache (on every rank, since failures reach every rank), so the next
+save exchanges.
 
 Save ids: a caller may name the save (the async saver does:
 ``<job token><save number>``).  Otherwise an exchange save gets a fresh
@@ -53,6 +58,7 @@ from dcp.coordination import wire
 from dcp.coordination.collectives import PerRank
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlan, SavePlanner, TensorDecl
+from dcp.core.storage import location_key, refuse_differing_locations
 
 #: The most structures one cache keeps plans for; the least recently used
 #: goes first.
@@ -160,17 +166,18 @@ class PlanCache:
             return (entry.token, name), result
 
         def local():
+            where = location_key(job.storage.checkpoint_id)
             offered = job.offered()
             key = structure_key(job.state.chunks, coord.world_size, coord.rank, job.planner)
             found = [e for (k, _), e in self.entries.items() if k == key] if cacheable else []
             mine.update(key=key, offered=offered, found=found)
             if not found:
                 mine["local"] = job.planner.create_local_plan(offered)
-                return "plan", key, None, mine["local"]
+                return "plan", key, None, mine["local"], where
             if len(found) > 1:  # this part belongs to several structures: the coordinator picks
-                return "choose", key, [e.token for e in found], None
+                return "choose", key, [e.token for e in found], None, where
             job.check_target()  # before writing: a refusal costs no I/O
-            return ("written", key) + write(found[0])
+            return ("written", key) + write(found[0]) + (where,)
 
         def plan_all(plans: list[SavePlan]) -> PerRank:
             final = job.plan_all(plans, save_id)
@@ -186,8 +193,14 @@ class PlanCache:
                     if isinstance(r, wire.CachedWriteResult) else r
                     for rank, r in enumerate(results)]
 
-        # each part: (kind, key, marks or tokens, plan or write result), by kind
-        def decide(parts: list[tuple[str, str, Any, Any]]):
+        # each part: (kind, key, marks or tokens, plan or write result, location), by kind
+        def decide(located: list[tuple[str, str, Any, Any, str]]):
+            refuse_differing_locations(
+                [where for *_, where in located], "one save",
+                "a per-rank part of the path (the rank, a per-process timestamp or run name) "
+                "would split one checkpoint into folders none of which loads; nothing was "
+                "committed, and what the ranks wrote is deleted")
+            parts = [part[:4] for part in located]
             keys = [key for _, key, _, _ in parts]
             mine["keys"] = keys
             for own in mine["found"]:

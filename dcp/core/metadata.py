@@ -38,6 +38,9 @@ READ_VERSIONS = (1, 2)
 #: The types a raw blob loads back as (:attr:`ObjectMeta.raw_type`).
 RAW_TYPES = ("bytes", "BytesIO")
 METADATA_FILE = "metadata.json"
+#: The metadata file of a PyTorch DCP checkpoint (a pickle), for messages
+#: that tell one apart (:mod:`dcp.interop.torch_dcp_io` reads it).
+TORCH_METADATA_FILE = ".metadata"
 
 
 def rank_metadata_file(rank: int) -> str:

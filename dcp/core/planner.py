@@ -161,8 +161,8 @@ class LoadPlan:
     Set by the loader on local plans: ``host`` names the rank's host (ranks
     with the same non-empty ``host`` share its page cache and shared
     memory); ``shared_memory`` whether the rank can receive through host
-    shared memory (its transfers run in host memory, not on an accelerator
-    communicator); ``shared_cache`` is the storage's
+    shared memory (it takes part in a load of several ranks and knows its
+    host); ``shared_cache`` is the storage's
     :attr:`~dcp.core.read_cost.ReadCost.shared_cache`.
     """
 

@@ -196,6 +196,13 @@ class StoragePlugin(abc.ABC):
         over an existing file."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace a file atomically")
 
+    def remove_if_empty(self) -> None:
+        """Remove the root itself if nothing is under it: the folder of a
+        failed save that made it and deleted what it wrote.  Never raises
+        (a root still holding anything stays).  Optional: the default does
+        nothing (an object store's prefix ends with its last object)."""
+        return None
+
     def location_exists(self) -> bool | None:
         """Whether the root itself exists (a directory), for messages about
         a missing path; ``None`` where the backend has no such notion (an
@@ -232,6 +239,23 @@ class StoragePlugin(abc.ABC):
         if magic != _EXCHANGE_MAGIC or length != len(payload) or crc != checksum(payload):
             return None
         return payload
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Inside it, an exception of a storage plugin's own (its backend's: a
+    ``FileNotFoundError`` for a missing bucket, botocore's
+    ``EndpointConnectionError`` for an unreachable endpoint, a refused
+    permission) becomes a :class:`CheckpointError` saying that ``what``
+    failed and why; a :class:`CheckpointError` passes as it is.  For the
+    library's calls that touch storage outside a save's or load's steps
+    (which report such failures themselves)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
 
 
 def can_read_cached(storage: StoragePlugin) -> bool:
@@ -297,6 +321,51 @@ def checkpoint_uri(checkpoint_id: str) -> str:
         f"checkpoint id {uri!r} looks like a mistyped {meant}:// URI (it would be a relative "
         f"local folder); did you mean '{meant}://{rest.lstrip('/')}'? Write './{uri}' for a "
         f"local folder of that name")
+
+
+def location_key(checkpoint_id: str) -> str:
+    """What the ranks of one save or load compare their checkpoint ids by:
+    the id as :func:`checkpoint_uri` gives it (itself where it refuses
+    it), a plain path made absolute and normal (``ckpt/``, ``./ckpt`` and
+    ``$PWD/ckpt`` are one folder), a URI without trailing slashes."""
+    try:
+        uri = checkpoint_uri(checkpoint_id)
+    except CheckpointError:
+        uri = str(checkpoint_id)
+    if "://" not in uri:
+        return os.path.normpath(os.path.abspath(uri))
+    return uri.rstrip("/") or uri
+
+
+def refuse_differing_locations(locations: list[str], call: str, why: str) -> None:
+    """Raise :class:`CheckpointError` if the ranks' ``locations`` (their
+    :func:`location_key`, index = rank) are not all one, naming each id
+    and the ranks that passed it: every rank of the group must pass the
+    same id to ``call``; ``why`` says what would happen otherwise and what
+    happened instead, for the message."""
+    ranks: dict[str, list[int]] = {}
+    for rank, location in enumerate(locations):
+        ranks.setdefault(location, []).append(rank)
+    if len(ranks) < 2:
+        return
+    shown = [f"{location!r} (rank{'s' if len(r) > 1 else ''} {_ranks(r)})"
+             for location, r in list(ranks.items())[:4]]
+    more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+    raise CheckpointError(
+        f"the ranks passed {len(ranks)} different checkpoint ids to {call}: {', '.join(shown)}"
+        f"{more}; every rank of the group must pass the same one: {why}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``; at most 8 runs, then ``...``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8]]
+    return ", ".join(text) + (", ..." if len(runs) > 8 else "")
 
 
 def _known_schemes() -> set[str]:

@@ -25,11 +25,13 @@ A DTensor on a mesh that does not contain the calling rank is skipped on
 that rank, as PyTorch DCP does: it offers nothing to save, and its load
 target is an empty box.  A tensor on the ``meta`` device holds no values:
 it is refused on save, and on load it is replaced by a real tensor of the
-saved dtype (:func:`materialize`).
+saved dtype (:func:`materialize`), on the device the load names (by default
+the current accelerator, else the host).
 
-Device tensors reach host memory through ``Tensor.to("cpu")``, which works
-for any torch device (CUDA, Ascend NPU through ``torch_npu``, ...), so no
-device type is hard-coded.
+Accelerator tensors (CUDA, Ascend NPU through ``torch_npu``, ...) move
+through generic torch calls (``Tensor.to``, ``Tensor.copy_``), so no device
+type is hard-coded; where the copies run and into which host memory is
+:mod:`dcp.core.devices`'.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dcp.core import devices
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.errors import CheckpointError, UnsupportedDtypeError
 
@@ -292,36 +295,53 @@ def is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
-def materialize(value: Any, dtype: str) -> Any:
-    """A host tensor-like leaf laid out like ``value`` (same kind, shape,
+def _materialize_device(value: Any, device: Any) -> torch.device:
+    """``device`` if given, else the current accelerator with its index
+    (:func:`dcp.core.devices.current_device`) — for a DTensor, if its mesh
+    is on that accelerator's type — else the host."""
+    if device is not None:
+        return torch.device(device)
+    current = devices.current_device()
+    if current is None or (isinstance(value, DTensor)
+                           and value.device_mesh.device_type != current.type):
+        return torch.device("cpu")
+    return current
+
+
+def materialize(value: Any, dtype: str, device: Any = None) -> Any:
+    """A tensor-like leaf laid out like ``value`` (same kind, shape,
     placements) whose values are uninitialized, of checkpoint dtype
-    ``dtype``: the target that replaces a meta-device one."""
+    ``dtype``: the target that replaces a meta-device one.  It lives on
+    ``device`` (a ``torch.device`` or its name), by default on the current
+    accelerator with its index, else on the host (as torch DCP puts it on
+    its group's device; a DTensor of a host mesh stays on the host)."""
     dt = _DTYPES[dtype]
+    device = _materialize_device(value, device)
     if isinstance(value, TensorShard):
-        return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt), value.global_shape,
-                           value.global_offsets)
+        return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt, device=device),
+                           value.global_shape, value.global_offsets)
     if isinstance(value, ShardedTensor):
         from torch.distributed import _remote_device
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard
 
-        def on_host(m: ShardMetadata) -> ShardMetadata:
+        def placed(m: ShardMetadata) -> ShardMetadata:
             rank = m.placement.rank() if m.placement is not None else None
             return ShardMetadata(m.shard_offsets, m.shard_sizes,
-                                 _remote_device(f"rank:{rank}/cpu"))
+                                 _remote_device(f"rank:{rank}/{device}"))
 
-        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt), on_host(s.metadata))
-                  for s in value.local_shards()]
+        shards = [Shard(torch.empty(tuple(s.tensor.shape), dtype=dt, device=device),
+                        placed(s.metadata)) for s in value.local_shards()]
         metadata = copy.deepcopy(value.metadata())
-        metadata.shards_metadata = [on_host(m) for m in metadata.shards_metadata]
+        metadata.shards_metadata = [placed(m) for m in metadata.shards_metadata]
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)
     if isinstance(value, DTensor):
-        local = torch.empty(tuple(value._local_tensor.shape), dtype=dt)
+        local = torch.empty(tuple(value._local_tensor.shape), dtype=dt, device=device)
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
-    return torch.empty(tuple(value.shape), dtype=dt)
+    return torch.empty(tuple(value.shape), dtype=dt, device=device)
 
 
 def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
@@ -377,17 +397,21 @@ def is_direct_target(view: torch.Tensor, dtype: str) -> bool:
 
 
 def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dest`` in place (casting dtype, moving device)."""
+    """Copy ``src`` into ``dest`` in place (casting dtype, moving device).
+    Into an accelerator tensor the copy is queued on the current stream
+    (``non_blocking``): work queued there later sees its values; host
+    memory ``src`` in pageable memory may be reused at once (the runtime
+    stages it), page-locked ``src`` only once the stream has passed the
+    copy (:meth:`dcp.core.devices.CallerStreams.record`)."""
     with torch.no_grad():
-        dest.copy_(src)
+        dest.copy_(src, non_blocking=devices.is_accelerator(dest.device))
 
 
-def flat_bytes(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def flat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
     """The bytes of contiguous host tensors, concatenated into one flat uint8
-    tensor on ``device`` (no copy for a single host part)."""
+    host tensor (no copy for a single part)."""
     flat = [p.reshape(-1).view(torch.uint8) for p in parts]
-    out = flat[0] if len(flat) == 1 else torch.cat(flat)
-    return out.to(device)
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def bytes_of(view: memoryview) -> torch.Tensor:
@@ -408,8 +432,11 @@ def readonly_view(view: memoryview, dtype: str, sizes: Sequence[int]) -> torch.T
     return from_bytes(flat, dtype, sizes)
 
 
-def empty_bytes(nbytes: int) -> torch.Tensor:
-    """An uninitialized flat uint8 host tensor of ``nbytes``."""
+def empty_bytes(nbytes: int, pinned: bool = False) -> torch.Tensor:
+    """An uninitialized flat uint8 host tensor of ``nbytes``, page-locked
+    (from torch's cached pinned allocator) if ``pinned``."""
+    if pinned:
+        return devices.pinned_empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -418,9 +445,9 @@ def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def zeros_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A flat uint8 tensor of ``nbytes`` zeros on ``device``."""
-    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+def zeros_bytes(nbytes: int) -> torch.Tensor:
+    """A flat uint8 host tensor of ``nbytes`` zeros."""
+    return torch.zeros(nbytes, dtype=torch.uint8)
 
 
 def from_bytes(flat: torch.Tensor, dtype: str, sizes: Sequence[int]) -> torch.Tensor:

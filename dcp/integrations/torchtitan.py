@@ -289,10 +289,9 @@ class CheckpointManager(BaseCheckpointManager):
         # step 0 is a seed checkpoint: the model only, as torchtitan loads it
         state = self._state(model_only=found == 0, exclude=self.config.exclude_from_loading)
         if found == latest and found != 0:
-            loaded = self._manager.load_latest(state)
-            if loaded != found:
-                raise dcp.CheckpointError(f"{self.folder!r}: step {loaded} was loaded where "
-                                          f"step {found} was the newest: another job saves there")
+            # the manager's resume: RNG states, and corrupt steps passed over (warned about)
+            if self._manager.load_latest(state) is None:
+                return self._initial_load()
         else:
             dcp.load(state, self._manager.step_uri(found),
                      storage_options=self.config.storage_options)

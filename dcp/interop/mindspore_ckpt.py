@@ -80,7 +80,7 @@ from dcp.core.metadata import (
     ObjectMeta,
     TensorMeta,
 )
-from dcp.core.storage import StoragePlugin, can_replace, open_storage
+from dcp.core.storage import StoragePlugin, can_replace, open_storage, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop.parallel import (
     DEFAULT_BUDGET_BYTES,
@@ -867,8 +867,11 @@ def checkpoint_to_mindspore_ckpt(checkpoint_id: str, dest_ckpt: str, *,
     dest = open_storage(root, **(dest_options or {}))
     atomic = can_replace(dest)
     ranks = Ranks.of(process_group)
-    # rank 0 looks, before any rank writes: every rank refuses alike
-    if ranks.broadcast(dest.exists(name) if ranks.rank == 0 else None):
+    exists = None
+    if ranks.rank == 0:  # rank 0 looks, before any rank writes: every rank refuses alike
+        with storage_errors(f"reading {str(dest_ckpt)!r}"):
+            exists = dest.exists(name)
+    if ranks.broadcast(exists):
         if not overwrite:
             raise CheckpointError(f"{str(dest_ckpt)!r} exists; pass overwrite=True to replace it")
         if not atomic:

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from dcp.coordination.collectives import coordination_group
 from dcp.core import tensors
 from dcp.core.boxes import byte_runs
 from dcp.core.metadata import (
@@ -59,7 +60,7 @@ from dcp.core.metadata import (
     TensorMeta,
     checksum,
 )
-from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin
+from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.interop.streaming import check_readable, conversion_data
 from dcp.orchestration.save import (
@@ -194,7 +195,9 @@ class Ranks:
     """This process's place among the converting ranks: alone unless a
     process group is passed (a conversion is not collective by default, so
     rank 0 of a job may convert by itself; pass ``dist.group.WORLD`` to
-    share it over the job)."""
+    share it over the job).  ``group`` is the one the ranks' objects travel
+    on (:func:`~dcp.coordination.collectives.coordination_group`: the
+    group passed if it is gloo's, else a gloo group of its ranks)."""
 
     group: object = None
     rank: int = 0
@@ -204,7 +207,8 @@ class Ranks:
     def of(cls, process_group) -> Ranks:
         if process_group is None or not (dist.is_available() and dist.is_initialized()):
             return cls()
-        return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group))
+        return cls(coordination_group(process_group), dist.get_rank(process_group),
+                   dist.get_world_size(process_group))
 
     def mine(self, k: int) -> bool:
         return k % self.world_size == self.rank
@@ -222,11 +226,8 @@ class Ranks:
         if self.world_size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=self.root(), group=self.group)  # type: ignore[arg-type]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)  # type: ignore[arg-type]
         return box[0]
-
-    def root(self) -> int:
-        return 0 if self.group is None else dist.get_global_rank(self.group, 0)  # type: ignore[arg-type]
 
 
 def run_collectively(ranks: Ranks, work: Callable[[], object],
@@ -381,7 +382,11 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
     encoded = {fqn: encode_object(fqn, value, allow_pickle)
                for fqn, value in (objects or {}).items()}
     ranks = Ranks.of(process_group)
-    if not overwrite and ranks.broadcast(dest.exists(METADATA_FILE) if ranks.rank == 0 else None):
+    committed = None
+    if not overwrite and ranks.rank == 0:
+        with storage_errors(f"reading {dest.checkpoint_id!r}"):
+            committed = dest.exists(METADATA_FILE)
+    if not overwrite and ranks.broadcast(committed):
         raise CheckpointError(f"{dest.checkpoint_id!r} already holds a committed checkpoint; "
                               f"pass overwrite=True to replace it")
     import uuid

@@ -58,7 +58,7 @@ from dcp.core.metadata import (
     check_relative_path,
 )
 from dcp.core.planner import LoadPlanner
-from dcp.core.storage import StoragePlugin, open_storage
+from dcp.core.storage import StoragePlugin, open_storage, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop.parallel import (
     DEFAULT_BUDGET_BYTES,
@@ -490,9 +490,12 @@ def checkpoint_to_safetensors(checkpoint_id: str, folder: str, *,
     sizes = {f: math.prod(md.tensors[f].shape) * DTYPE_ITEMSIZE[out_dtype[f]] for f in stripped}
     dest = open_storage(str(folder), **(dest_options or {}))
     ranks = Ranks.of(process_group)
-    old = ranks.broadcast(  # rank 0 looks, before any rank writes
-        [n for n in dest.list_files() if "/" not in n and (n.endswith(SUFFIX) or n == INDEX_FILE)]
-        if ranks.rank == 0 else None)
+    old = None
+    if ranks.rank == 0:  # rank 0 looks, before any rank writes
+        with storage_errors(f"listing {str(folder)!r}"):
+            old = [n for n in dest.list_files()
+                   if "/" not in n and (n.endswith(SUFFIX) or n == INDEX_FILE)]
+    old = ranks.broadcast(old)
     if old and not overwrite:
         raise CheckpointError(
             f"{str(folder)!r} already holds {', '.join(old)}; pass overwrite=True to replace them")

@@ -58,7 +58,7 @@ from torch.futures import Future
 from tqdm import tqdm
 
 from dcp.core import tensors, unpickler
-from dcp.core.metadata import ChunkMeta, Metadata, TensorMeta
+from dcp.core.metadata import TORCH_METADATA_FILE, ChunkMeta, Metadata, TensorMeta
 from dcp.core.state_dict import flatten
 from dcp.core.storage import StoragePlugin, open_storage, scheme_of
 from dcp.errors import CheckpointError, NotACheckpointError
@@ -82,9 +82,6 @@ from dcp.interop.streaming import (
 )
 from dcp.interop.view import ReadOnlyView
 from dcp.orchestration.load import read_metadata
-
-#: The file holding a PyTorch DCP checkpoint's (pickled) metadata.
-TORCH_METADATA_FILE = ".metadata"
 
 
 def _local_path(uri: str) -> str:

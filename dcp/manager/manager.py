@@ -12,38 +12,37 @@ The phases, in order, and where each decision lives:
   previous one) or, after a preemption, with :func:`dcp.save` at once.
   Each rank adds its per-rank record (RNG states, :class:`PerRank` values;
   :mod:`dcp.manager.per_rank`) as a raw blob under a key of its own.
-* **Commit**: once the step's metadata is committed, rank 0 commits the
-  pointer ``<root>/latest.json`` (``{"step", "save_id"}``), then deletes,
-  on a background thread, the steps the preservation policy lets go: never
-  the newest complete step (the one just committed), never the step in
-  flight (a newer one, whose metadata does not exist yet), and the
-  metadata of a step first, so a half-deleted step is never complete.
-* **Resume** (:meth:`CheckpointManager.load_latest`): rank 0 reads the
-  pointer and the metadata of the step it names and checks that their save
-  ids agree: two GETs on an object store, whatever the number of steps
-  (torchtitan lists every step folder and probes each).  A missing or stale
-  pointer falls back to one listing of the root, where a step is complete
-  exactly when its ``metadata.json`` exists (it is committed last,
-  atomically).  A pointer lags only when a job died between a commit and
-  the pointer write; it then names the step before, still complete.  The
-  step and its metadata are broadcast; every rank loads the state, its own
-  per-rank record (or, after a change of the data-parallel degree, every
-  record, to apply :class:`PerRank`'s rule) and restores its RNG states:
-  its own rank's when the layout is the same, else the first saved rank's
-  of the same data-parallel rank, and after a change of the data-parallel
-  degree those the declared ``rng_on_resize`` rule makes of every old
-  data-parallel rank's (:mod:`dcp.manager.rng`), or it raises before
-  loading anything.
+* **Commit**: the coordinator of the save (rank 0's background process, or
+  rank 0 itself for a synchronous save) names the step in the pointer
+  ``<root>/latest.json`` right before it commits the step's metadata
+  (:class:`dcp.manager.steps.NamePointer`, the save's ``before_commit``),
+  so a step committed after its trainer died is found like any other.
+  Once the trainer learns of the commit, rank 0 deletes, on a background
+  thread, the steps the preservation policy lets go: never the newest
+  complete step (the one just committed), never the step in flight (a
+  newer one, whose metadata does not exist yet), and the metadata of a
+  step first, so a half-deleted step is never complete.
+* **Resume** (:meth:`CheckpointManager.load_latest`): rank 0 finds the
+  newest complete step through the pointer (two requests in the common
+  case, whatever the number of steps; a listing of the root when the
+  pointer cannot say: :func:`dcp.manager.steps.newest_step`) and reads its
+  metadata.  The step and its metadata are broadcast; every rank loads the
+  state (a step found corrupt, there or in the load, is marked bad and
+  passed over by every rank alike), its own per-rank record (or, after a
+  change of the data-parallel degree, every record, to apply
+  :class:`PerRank`'s rule) and restores its RNG states: its own rank's when
+  the layout is the same, else the first saved rank's of the same
+  data-parallel rank, and after a change of the data-parallel degree those
+  the declared ``rng_on_resize`` rule makes of every old data-parallel
+  rank's (:mod:`dcp.manager.rng`), or it raises before loading anything.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import functools
 import logging
 import numbers
 import os
-import re
 import signal
 import threading
 import warnings
@@ -55,9 +54,10 @@ import torch
 import torch.distributed as dist
 
 from dcp.asynchronous.async_save import AsyncSaveResponse, async_save
-from dcp.core.metadata import METADATA_FILE, Metadata
+from dcp.coordination.collectives import coordination_group
+from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
-from dcp.errors import CheckpointError, NotACheckpointError
+from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.manager import per_rank, rng
 from dcp.manager.per_rank import PerRank
 from dcp.manager.policies import (
@@ -70,103 +70,27 @@ from dcp.manager.policies import (
     Preservation,
     SaveContext,
     SaveDecision,
-    StepInfo,
-    to_delete,
 )
+from dcp.manager.steps import (
+    KEY,
+    NamePointer,
+    complete_steps,
+    mark_bad,
+    newest_step,
+    prune_steps,
+    step_uri,
+)
+from dcp.orchestration.inventory import remove_empty_folder
 from dcp.orchestration.load import load, read_metadata
 from dcp.orchestration.save import save as sync_save
 
 log = logging.getLogger(__name__)
 
-POINTER = "latest.json"
-STEP_PREFIX = "step-"
-_STEP_METADATA = re.compile(rf"{STEP_PREFIX}(\d+)/{re.escape(METADATA_FILE)}")
-_STEP_FILE = re.compile(rf"{STEP_PREFIX}(\d+)/.+")
-#: The manager's own entries in every step: ``_manager.step``, ``.world_size``,
-#: ``.dp_degree``, ``.metrics`` and ``.ranks.<rank>`` (one raw blob per rank).
-KEY = "_manager"
-
 
 class CheckpointWarning(UserWarning):
-    """A save that failed in the background, or a failed retention delete:
+    """A save that failed in the background, a failed retention delete, or
+    a corrupt step passed over by :meth:`CheckpointManager.load_latest`:
     the training goes on, the newest complete step stays loadable."""
-
-
-def step_of(name: str) -> int | None:
-    """The step a root-relative file name belongs to, if any."""
-    m = _STEP_FILE.fullmatch(name)
-    return int(m.group(1)) if m else None
-
-
-def complete_steps(names: list[str]) -> list[int]:
-    """The committed steps among a root's file names."""
-    return sorted({int(m.group(1)) for n in names if (m := _STEP_METADATA.fullmatch(n))})
-
-
-def read_pointer(storage) -> dict | None:
-    """The decoded ``latest.json`` of a root storage, or ``None``."""
-    try:
-        doc = json.loads(storage.read_file(POINTER))
-    except (FileNotFoundError, ValueError):
-        return None
-    except Exception as e:  # an unreadable pointer is a reason to list, not to fail
-        log.warning("hyperdcp: reading %s failed (%s); listing the root", POINTER, e)
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
-
-
-def prune_steps(root: str, preservation: Preservation, storage_options: dict | None = None,
-                in_flight: int | None = None,
-                metrics: dict[int, dict] | None = None) -> list[int]:
-    """Delete the committed steps under ``root`` that ``preservation`` lets
-    go (never the newest, never ``in_flight``) and the files of incomplete
-    steps older than the newest complete one; returns the steps deleted.
-    ``metrics``: known metrics by step (others are read from the metadata
-    when the policy asks for metrics)."""
-    options = storage_options or {}
-    storage = open_storage(root, **options)
-    names = storage.list_files()
-    complete = complete_steps(names)
-    if not complete:
-        return []
-    known = dict(metrics or {})
-    infos = []
-    for s in complete:
-        if s not in known and _needs_metrics(preservation):
-            known[s] = _metrics_of(read_metadata(_step_uri(storage.checkpoint_id, s),
-                                                 storage_options=options))
-        infos.append(StepInfo(s, known.get(s, {})))
-    doomed = set(to_delete(preservation, infos, in_flight))
-    newest = complete[-1]
-    by_step: dict[int, list[str]] = {}
-    for n in names:
-        owner = step_of(n)
-        if owner is not None:
-            by_step.setdefault(owner, []).append(n)
-    incomplete = {s for s in by_step if s not in complete and s < newest and s != in_flight}
-    for s in sorted(doomed | incomplete):
-        files = by_step.get(s, [])
-        head = [n for n in files if n.endswith("/" + METADATA_FILE)]
-        storage.delete(head)  # first: from here on the step is not complete
-        storage.delete([n for n in files if n not in head])
-        _remove_empty_folder(_step_uri(storage.checkpoint_id, s), options)
-    return sorted(doomed | incomplete)
-
-
-def _remove_empty_folder(uri: str, options: dict) -> None:
-    """A filesystem keeps the emptied folder of a deleted step; an object
-    store has none to remove."""
-    folder = getattr(open_storage(uri, **options), "root", None)
-    if isinstance(folder, Path):
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-def _needs_metrics(policy: Any) -> bool:
-    inner = getattr(policy, "policies", None)
-    if inner is not None:
-        return any(_needs_metrics(p) for p in inner)
-    return hasattr(policy, "metric")
 
 
 def _latest_counts(policy: Any) -> list[int]:
@@ -175,15 +99,6 @@ def _latest_counts(policy: Any) -> list[int]:
     if inner is not None:
         return [n for p in inner for n in _latest_counts(p)]
     return [policy.n] if isinstance(policy, LatestN) else []
-
-
-def _metrics_of(md: Metadata) -> dict:
-    prefix = f"{KEY}.metrics."
-    return {k[len(prefix):]: o.value for k, o in md.objects.items() if k.startswith(prefix)}
-
-
-def _step_uri(root: str, step: int) -> str:
-    return f"{root.rstrip('/')}/{STEP_PREFIX}{step}"
 
 
 class CheckpointManager:
@@ -280,11 +195,8 @@ class CheckpointManager:
             group = process_group if process_group is not None else dist.group.WORLD
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
             self._src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            if dist.get_backend(group) == "gloo":
-                self._cpu_group = process_group
-            else:  # agree on a CPU group, never the accelerator's communicator
-                ranks = dist.get_process_group_ranks(group)
-                self._cpu_group = dist.new_group(ranks, backend="gloo")
+            # agree on a CPU group, never the accelerator's communicator
+            self._cpu_group = coordination_group(process_group)
         else:
             self.rank, self.world_size, self._src, self._cpu_group = 0, 1, 0, None
         self.dp_rank, self.dp_degree = data_parallel or (self.rank, self.world_size)
@@ -309,7 +221,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------- queries
     def step_uri(self, step: int) -> str:
-        return _step_uri(self.root, step)
+        return step_uri(self.root, step)
 
     @property
     def in_flight(self) -> int | None:
@@ -332,21 +244,12 @@ class CheckpointManager:
         return complete_steps(names)
 
     def latest_step(self) -> int | None:
-        """The newest complete step: the pointer, checked against that
-        step's committed metadata (O(1) requests), else one listing.  Rank 0
-        moves the pointer after each commit: on another rank, right after a
-        commit, it may still name the step before (complete too)."""
-        pointer = read_pointer(self._storage)
-        if pointer is not None:
-            try:
-                md = read_metadata(self.step_uri(pointer["step"]),
-                                   storage_options=self.storage_options)
-            except CheckpointError:
-                md = None
-            if md is not None and md.save_id == pointer.get("save_id"):
-                return int(pointer["step"])
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest complete step, whoever committed it (a background save
+        process that outlived its trainer too): the pointer and one
+        existence check in the common case, else one listing
+        (:mod:`dcp.manager.steps`).  Raises :class:`CheckpointError` naming
+        the root if it cannot be listed."""
+        return newest_step(self._storage)
 
     # --------------------------------------------------------------- save
     def _on_sigterm(self, signum, frame) -> None:
@@ -366,7 +269,13 @@ class CheckpointManager:
         preemption says so; returns whether a save started (or, after a
         preemption, was made).  Collective: call it on every rank at every
         step.  ``metrics`` (the same on every rank) are kept with the step
-        for :class:`BestN`."""
+        for :class:`BestN`.
+
+        Raises:
+            CheckpointError: at the call, on every rank, for a step not
+                newer than the newest complete one (``force`` forces the
+                decision to save, never the replacement of a complete step).
+        """
         self._check_open()
         step = self._check_step(step)
         self._check_state(state)
@@ -401,17 +310,26 @@ class CheckpointManager:
                 f"{{\"model\": model, \"optim\": optim}}, not a {type(state).__name__}")
 
     def _check_newer(self, step: int) -> None:
-        """Refuse a save of a step not newer than the newest complete one
-        (or one this manager saved), on every rank alike: the latest is
-        always the highest complete step.  Re-saving the step this manager
-        last saved or loaded is no save (:meth:`save` returns False)."""
+        """Refuse, at the call and on every rank alike, a save of a step not
+        newer than the newest complete one (or one this manager saved): the
+        latest is always the highest complete step, and a complete step is
+        never replaced (``force`` forces the decision to save, not that).
+        Re-saving the step this manager last saved or loaded is no save
+        (:meth:`save` returns False)."""
         if not self._newest_known:
             self._set_newest(self._on_rank0(self.latest_step))
-        if self._newest is not None and step <= self._newest and step != self._last_saved:
+        if self._newest is None or step > self._newest or step == self._last_saved:
+            return
+        if step == self._newest:
             raise CheckpointError(
-                f"{self.root!r}: cannot save step {step}: step {self._newest} is already "
-                f"complete or saved there, and a step must be newer than the newest "
-                f"(resume with load_latest, or save under another root)")
+                f"{self.root!r}: cannot save step {step}: it is complete there already (saved "
+                f"by an earlier job, or by its background save after the trainer died), and a "
+                f"complete step is never replaced: resume with load_latest, which returns it, "
+                f"and save the steps after it (or save under another root)")
+        raise CheckpointError(
+            f"{self.root!r}: cannot save step {step}: step {self._newest} is already "
+            f"complete or saved there, and a step must be newer than the newest "
+            f"(resume with load_latest, or save under another root)")
 
     def _set_newest(self, step: int | None) -> None:
         self._newest_known = True
@@ -442,46 +360,43 @@ class CheckpointManager:
         self._last_saved = step
         self._set_newest(step)
         self._metrics[step] = dict(metrics or {})
+        # names the step in the pointer before its commit, in the committing process
+        name = NamePointer(self.root, step, self.storage_options)
         if not asynchronous:
             try:
-                md = sync_save(composed, uri, process_group=self.process_group,
-                               storage_options=self.storage_options)
+                sync_save(composed, uri, process_group=self.process_group,
+                          storage_options=self.storage_options, before_commit=name)
             except CheckpointError as e:
                 raise CheckpointError(f"step {step}: {e}") from e
-            self._committed(step, md)
+            self._committed()
             return
         done = threading.Event()
 
         def finished(response: AsyncSaveResponse) -> None:
             try:
                 try:
-                    md = response.result()
+                    response.result()
                 except CheckpointError as e:
                     self.errors.append(CheckpointError(f"step {step}: the async save to {uri!r} "
                                                        f"failed: {e}"))
                     return
-                self._committed(step, md)
+                self._committed()
             finally:
                 done.set()
 
         response = async_save(composed, uri, process_group=self.process_group,
                               coordination=self.coordination,
                               storage_options=self.storage_options,
-                              blocking_staging=self.blocking_staging, timeout=self.timeout)
+                              blocking_staging=self.blocking_staging, timeout=self.timeout,
+                              before_commit=name)
         self._in_flight = (step, response, done)
         response.add_done_callback(finished)
 
-    def _committed(self, step: int, md: Metadata) -> None:
-        """After ``step`` committed: rank 0 moves the pointer, then prunes
-        in the background."""
+    def _committed(self) -> None:
+        """After a step committed (the pointer named it already): rank 0
+        prunes in the background."""
         if self.rank != 0:
             return
-        try:
-            self._storage.commit_file(POINTER, json.dumps(
-                {"step": step, "save_id": md.save_id}).encode(), overwrite=True)
-        except Exception as e:  # the listing fallback still finds the step
-            self.errors.append(CheckpointError(f"step {step}: writing {POINTER} failed: "
-                                               f"{type(e).__name__}: {e}"))
         with self._lock:
             previous = self._retention
             self._retention = threading.Thread(target=self._prune, args=(previous,),
@@ -553,27 +468,81 @@ class CheckpointManager:
         :func:`dcp.load`; :class:`PerRank` values through their own rule)
         and restore this rank's RNG states; returns the step, or ``None``
         when no step is complete (after loading ``initial_load_path``, if
-        set).  Collective."""
+        set).  Collective.
+
+        A step found corrupt (:class:`~dcp.CorruptCheckpointError`: its
+        metadata does not decode, a checksum does not match, a data file is
+        missing or short; on any rank) is warned about
+        (:class:`CheckpointWarning`, naming the step and why), marked bad
+        by rank 0 (:func:`dcp.manager.steps.mark_bad`) and passed over:
+        every rank loads the newest step before it that loads.  Any other
+        failure (an I/O error, a timeout) raises and marks nothing."""
         self._check_open()
         self._check_state(state)
         self.wait()
-
-        def newest() -> tuple[int, Metadata] | None:
-            step = self.latest_step()
-            if step is None:
+        passed: set[int] = set()  # corrupt steps passed over by this call
+        while True:
+            found, marked = self._on_rank0(lambda: self._newest_readable(passed))
+            for bad, reason, note in marked:
+                passed.add(bad)
+                self._warn_corrupt(bad, reason, note)
+            if found is None:
+                self._set_newest(None)
+                if self.initial_load_path is not None:
+                    self._initial_load(state)
                 return None
-            return step, read_metadata(self.step_uri(step), storage_options=self.storage_options)
+            step, md = found
+            error: Exception | None = None
+            try:
+                self._load_step(step, md, state)
+            except Exception as e:  # every rank learns whether any failed, and how
+                error = e
+            failed, other = self._agree([int(error is not None), int(
+                error is not None and not isinstance(error, CorruptCheckpointError))])
+            if not failed:
+                self._set_newest(step)
+                self._last_saved = step
+                return step
+            if other:
+                raise error if error is not None else CheckpointError(
+                    f"step {step} ({self.step_uri(step)!r}): the load failed on another rank")
+            reason = str(error) if error is not None else "found corrupt by another rank"
+            note = self._on_rank0(functools.partial(self._mark, step, reason))
+            passed.add(step)
+            self._warn_corrupt(step, reason, note)
 
-        found = self._on_rank0(newest)
-        self._set_newest(found[0] if found is not None else None)
-        if found is None:
-            if self.initial_load_path is not None:
-                self._initial_load(state)
-            return None
-        step, md = found
-        self._load_step(step, md, state)
-        self._last_saved = step
-        return step
+    def _newest_readable(self, passed: set[int]) -> tuple[tuple[int, Metadata] | None, list]:
+        """Rank 0: the newest complete step not in ``passed`` whose metadata
+        reads, and its metadata; those whose metadata is corrupt are marked
+        bad on the way (``(step, reason, note)`` each)."""
+        marked: list[tuple[int, str, str]] = []
+        gone: set[int] = set()
+        while True:
+            step = newest_step(self._storage, exclude=passed | gone | {m[0] for m in marked})
+            if step is None:
+                return None, marked
+            try:
+                return (step, read_metadata(self.step_uri(step),
+                                            storage_options=self.storage_options)), marked
+            except CorruptCheckpointError as e:
+                marked.append((step, str(e), self._mark(step, str(e))))
+            except NotACheckpointError:  # deleted since it was found
+                gone.add(step)
+
+    def _mark(self, step: int, reason: str) -> str:
+        """Rank 0: mark ``step`` bad; what became of it, for the warning."""
+        try:
+            mark_bad(self._storage, step, reason)
+        except Exception as e:
+            return (f"marking it bad failed ({type(e).__name__}: {e}), so only this call passes "
+                    f"it over")
+        return (f"marked bad ({self.step_uri(step)}/bad-step.json, its metadata kept as "
+                f"metadata.json.bad): it no longer counts as complete")
+
+    def _warn_corrupt(self, step: int, reason: str, note: str) -> None:
+        warnings.warn(f"{self.root!r}: step {step} is corrupt and is passed over ({reason}); "
+                      f"{note}; load_latest resumes from the newest step that loads",
+                      CheckpointWarning, stacklevel=3)
 
     def _load_step(self, step: int, md: Metadata, state: dict) -> None:
         where = f"step {step} ({self.step_uri(step)!r})"
@@ -719,6 +688,7 @@ class CheckpointManager:
             checkpoint_to_safetensors(staging, dest, storage_options=self.storage_options)
             store = open_storage(staging, **self.storage_options)
             store.delete(store.list_files())
+            remove_empty_folder(staging, self.storage_options)
         if self.distributed:
             dist.barrier(group=self._cpu_group)
         return dest

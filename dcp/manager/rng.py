@@ -3,8 +3,19 @@
 A resumed run continues its random streams (dropout masks, data shuffles,
 augmentations) as if it had never stopped only if every generator it draws
 from is restored: Python's ``random``, NumPy's legacy global generator,
-torch's CPU generator and each accelerator device's.  torchtitan leaves this
-as an open request; here it is part of every step the manager saves.
+torch's CPU generator and the generator of the rank's accelerator device.
+torchtitan leaves this as an open request; here it is part of every step
+the manager saves.
+
+The accelerator is whichever torch has (``torch.accelerator``: CUDA, ROCm,
+torch_npu's NPU, ...), through its module (``torch.get_device_module``).  A
+rank draws on its current device (the one ``set_device`` chose), so that
+device's generator is the one saved, with the device type, and it is
+restored onto the current device of the resumed rank: a resume that sees
+another number of devices (another ``CUDA_VISIBLE_DEVICES``) restores the
+same stream.  A state of another accelerator type, or one saved with an
+accelerator restored without one, leaves the accelerator's generator as it
+is, with a warning.
 
 The state is plain JSON (torch's byte states and NumPy's key array as
 base64), so it travels in the rank's per-rank record (:mod:`dcp.manager.per_rank`)
@@ -27,10 +38,12 @@ import base64
 import hashlib
 import json
 import random
+import warnings
 from typing import Any
 
 import torch
 
+from dcp.core import devices
 from dcp.errors import CheckpointError
 
 
@@ -42,17 +55,18 @@ def _bytes_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
-def _accelerator() -> Any:
-    """torch's module for this process's accelerator (``torch.cuda``, ...),
-    or ``None`` where there is none."""
-    cuda = getattr(torch, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return cuda
-    return None
+def _accelerator() -> tuple[torch.device, Any] | None:
+    """This thread's current accelerator device (with its index) and torch's
+    module for it (``torch.cuda``, ``torch.npu``, ...), or ``None`` where
+    torch finds no accelerator."""
+    device = devices.current_device()
+    if device is None:
+        return None
+    return device, torch.get_device_module(device.type)
 
 
 def _encode(python: tuple, torch_state: torch.Tensor, numpy_state: tuple | None,
-            accelerator: list[torch.Tensor] | None) -> dict:
+            accelerator: tuple[str, torch.Tensor] | None) -> dict:
     version, internal, gauss = python
     state: dict[str, Any] = {"python": [version, list(internal), gauss],
                              "torch": _b64(torch_state.numpy().tobytes())}
@@ -63,7 +77,8 @@ def _encode(python: tuple, torch_state: torch.Tensor, numpy_state: tuple | None,
         state["numpy"] = [kind, _b64(np.asarray(keys, dtype=np.uint32).tobytes()), int(pos),
                           int(has_gauss), float(cached)]
     if accelerator is not None:
-        state["accelerator"] = [_b64(s.numpy().tobytes()) for s in accelerator]
+        state["accelerator"] = {"device": accelerator[0],
+                                "state": _b64(accelerator[1].numpy().tobytes())}
     return state
 
 
@@ -76,12 +91,14 @@ def _numpy() -> Any:
 
 
 def capture() -> dict:
-    """The state of every generator this rank draws from."""
+    """The state of every generator this rank draws from (of the
+    accelerator's, its current device's)."""
     np = _numpy()
     accel = _accelerator()
     return _encode(random.getstate(), torch.get_rng_state(),
                    np.random.get_state() if np is not None else None,  # type: ignore[arg-type]
-                   accel.get_rng_state_all() if accel is not None else None)
+                   None if accel is None
+                   else (accel[0].type, accel[1].get_rng_state(accel[0].index)))
 
 
 class DeriveRNG:
@@ -93,11 +110,11 @@ class DeriveRNG:
     reproducible (resuming the same step on the same layout draws the
     same), distinct across data-parallel ranks and shared by the ranks of
     one data-parallel rank.  Each generator gets a seed of its own, the
-    SHA-256 of its name (``python``, ``numpy``, ``torch``,
-    ``accelerator:<i>``) and that digest, so no two draw the same stream:
+    SHA-256 of its name (``python``, ``numpy``, ``torch``, ``accelerator``:
+    the current device's) and that digest, so no two draw the same stream:
     Python's 19,937-bit Mersenne Twister is seeded with the whole 256-bit
     seed, NumPy's with it as 8 ``uint32`` words, torch's CPU generator and
-    each accelerator device with its first 63 bits."""
+    the accelerator's with its first 63 bits."""
 
     def __call__(self, states: list[dict], dp_rank: int, dp_degree: int) -> dict:
         digest = hashlib.sha256(json.dumps([states, dp_rank, dp_degree], sort_keys=True,
@@ -111,18 +128,17 @@ class DeriveRNG:
 
         np = _numpy()
         accel = _accelerator()
-        devices = None
+        device = None
         if accel is not None:
-            devices = [torch.Generator(device=f"{accel.__name__.rsplit('.', 1)[-1]}:{i}")
-                       .manual_seed(seed63(f"accelerator:{i}")).get_state()
-                       for i in range(accel.device_count())]
+            device = (accel[0].type, torch.Generator(device=accel[0])
+                      .manual_seed(seed63("accelerator")).get_state())
         numpy_state = None
         if np is not None:
             words = np.frombuffer(seed("numpy"), dtype=np.uint32)
             numpy_state = np.random.RandomState(words).get_state()
         return _encode(random.Random(int.from_bytes(seed("python"), "little")).getstate(),
                        torch.Generator().manual_seed(seed63("torch")).get_state(), numpy_state,
-                       devices)
+                       device)
 
 
 def restore(state: dict, where: str) -> None:
@@ -139,14 +155,21 @@ def restore(state: dict, where: str) -> None:
             np.random.set_state((kind, np.frombuffer(base64.b64decode(keys), dtype=np.uint32),
                                  pos, has_gauss, cached))
         saved = state.get("accelerator")
-        accel = _accelerator()
-        if saved is not None and accel is not None:
-            if len(saved) != accel.device_count():
-                raise CheckpointError(f"{where}: the RNG state holds {len(saved)} accelerator "
-                                      f"devices, this process sees {accel.device_count()}")
-            accel.set_rng_state_all([_bytes_tensor(s) for s in saved])
-    except CheckpointError:
-        raise
+        if saved is not None:
+            _restore_accelerator(saved, where)
     except Exception as e:
         raise CheckpointError(f"{where}: restoring the RNG state failed: "
                               f"{type(e).__name__}: {e}") from e
+
+
+def _restore_accelerator(saved: dict, where: str) -> None:
+    """Set the current accelerator device's generator to ``saved`` (device
+    type and state), or warn why not."""
+    accel = _accelerator()
+    if accel is None or accel[0].type != saved["device"]:
+        found = "no accelerator" if accel is None else f"a {accel[0].type} accelerator"
+        warnings.warn(f"{where}: the RNG state holds a {saved['device']} generator, this "
+                      f"process has {found}: that generator is not restored", stacklevel=3)
+        return
+    device, module = accel
+    module.set_rng_state(_bytes_tensor(saved["state"]), device.index)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from dcp.coordination.file_flag import EXCHANGE_PREFIX
 from dcp.core.metadata import METADATA_FILE, Metadata, decode
-from dcp.core.storage import StoragePlugin, open_storage
+from dcp.core.storage import StoragePlugin, open_storage, storage_errors
 from dcp.errors import CheckpointError, NotACheckpointError
 from dcp.orchestration.save import is_data_file
 
@@ -90,7 +90,9 @@ def inspect_checkpoint(storage: StoragePlugin, name: str = "",
     from dcp.coordination.independent import read_metadata_bytes
 
     now = time.time() if now is None else now
-    stats = storage.file_stats() if stats is None else stats
+    if stats is None:
+        with storage_errors(f"listing {storage.checkpoint_id!r}"):
+            stats = storage.file_stats()
     ours = {n: st for n, st in stats.items() if file_kind(n) is not None}
     ages = [now - mtime for _, mtime in ours.values() if mtime is not None]
     sizes = [size for size, _ in ours.values()]
@@ -120,7 +122,9 @@ def scan(root: str, storage_options: dict | None = None) -> list[Inventory]:
     storage = open_storage(root, **options)
     now = time.time()
     folders: dict[str, dict[str, tuple[int | None, float | None]]] = {}
-    for path, st in storage.file_stats().items():
+    with storage_errors(f"listing {storage.checkpoint_id!r}"):
+        listed = storage.file_stats()
+    for path, st in listed.items():
         folder, _, base = path.rpartition("/")
         folders.setdefault(folder, {})[base] = st
     found = []
@@ -158,9 +162,15 @@ def prune(root: str, min_age_s: float, storage_options: dict | None = None) -> P
             (result.removed if n in old else result.kept)[f"{where}/{n}"] = size
         if old:
             storage = open_storage(entry.uri, **options)
-            try:
+            with storage_errors(f"{entry.uri!r}: deleting orphaned files"):
                 storage.delete(old)
-            except Exception as e:
-                raise CheckpointError(f"{entry.uri!r}: deleting orphaned files failed: "
-                                      f"{type(e).__name__}: {e}") from e
+            if entry.name:  # an interrupted save's folder, emptied; never the root given
+                storage.remove_if_empty()
     return result
+
+
+def remove_empty_folder(uri: str, storage_options: dict | None = None) -> None:
+    """Remove the folder ``uri`` if nothing is left in it (a filesystem keeps
+    an emptied folder; an object store has none to remove:
+    :meth:`~dcp.core.storage.StoragePlugin.remove_if_empty`)."""
+    open_storage(uri, **(storage_options or {})).remove_if_empty()

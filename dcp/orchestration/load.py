@@ -4,7 +4,9 @@ Phases (each a collective step, so a failure on any rank raises on all):
 
 1. the coordinator reads the committed metadata once and broadcasts its bytes;
 2. every rank matches its state dict against it and the load planner turns
-   each needed box into reads of chunk intersections; the global plan picks,
+   each needed box into reads of chunk intersections; the coordinator
+   refuses ranks that passed another checkpoint id than its own (they would
+   read its metadata's file names in their folders), and the global plan picks,
    for each region several ranks need, who reads it from storage and the
    path it takes to the others (page cache, shared memory, broadcast: see
    ``planners.load``);
@@ -43,16 +45,23 @@ from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from dcp.coordination.broadcast import Broadcaster, ReplicaGroups, comm_device
+from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core import read_plan, tensors, unpickler
+from dcp.core import devices, read_plan, tensors, unpickler
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
 from dcp.core.state_dict import Leaf, flatten, shaped_like
-from dcp.core.storage import StoragePlugin, can_read_cached, open_storage
+from dcp.core.storage import (
+    StoragePlugin,
+    can_read_cached,
+    location_key,
+    open_storage,
+    refuse_differing_locations,
+    storage_errors,
+)
 from dcp.errors import CheckpointError, CorruptCheckpointError
 from dcp.orchestration import pending, targets
 from dcp.orchestration.gc_pause import gc_paused
@@ -95,9 +104,9 @@ class LoadReport:
     the bytes moved that way — ``"storage"`` (read from storage),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
     on every rank.  ``materialized``: fqns whose target was on the meta
-    device, replaced by a real host tensor of the saved dtype (in the
-    caller's container, or in the state dict handed to a Stateful's
-    ``load_state_dict()``).
+    device, replaced by a real tensor of the saved dtype (on the load's
+    ``device``; in the caller's container, or in the state dict handed to a
+    Stateful's ``load_state_dict()``).
     """
 
     missing_keys: list[str] = field(default_factory=list)
@@ -123,14 +132,18 @@ def read_metadata(checkpoint_id: str, *, storage: StoragePlugin | None = None,
     """
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
-    try:
+    with storage_errors(f"reading the metadata of {checkpoint_id!r}"):
         data = read_metadata_bytes(storage)
-    except CheckpointError:
-        raise
-    except Exception as e:  # the storage's own error (unreachable endpoint, permissions, ...)
-        raise CheckpointError(f"reading the metadata of {checkpoint_id!r} failed: "
-                              f"{type(e).__name__}: {e}") from e
     return decode(data, f"{checkpoint_id}/{METADATA_FILE}")
+
+
+def _read_error_kind(error: Exception) -> type[CheckpointError]:
+    """What a failed read of a checkpoint's file says about it: corrupt
+    (:class:`CorruptCheckpointError`) where the file is missing or too
+    short; any other failure (a timeout, a dropped connection, ``EIO``)
+    says nothing about the checkpoint (:class:`CheckpointError`)."""
+    return CorruptCheckpointError if isinstance(error, FileNotFoundError | EOFError) \
+        else CheckpointError
 
 
 class _Load:
@@ -168,6 +181,11 @@ class _Load:
         self.whole: set[ReadItem] = set()
         self.forced: set[tuple[str, int]] = set()
         self.staging = threading.local()
+        #: the caller's streams of the targets' accelerator devices (set by
+        #: :meth:`read`): every copy into a target is queued there
+        self.streams = devices.CallerStreams([])
+        #: the load's name in the job, from its first step
+        self.session = ""
 
     #: Called with the metadata before planning, inside the planning step
     #: (so what it raises fails the load on every rank): :func:`load` sets
@@ -190,10 +208,7 @@ class _Load:
             self.metadata, self.requests, self.objects, strict=self.strict,
             allow_dtype_cast=self.allow_dtype_cast)
         plan.host = host_key() if self.host is None else self.host
-        # shared memory only where gloo would carry the bytes through host
-        # memory anyway; NCCL/HCCL keep accelerator targets on the device
-        plan.shared_memory = (self.exchange is not None and bool(plan.host)
-                              and comm_device(self.coord.group).type == "cpu")
+        plan.shared_memory = self.exchange is not None and bool(plan.host)
         plan.shared_cache = self.storage.read_cost.shared_cache
         by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
@@ -202,6 +217,16 @@ class _Load:
             (fqn, number, self.metadata.tensors[fqn].chunks[number].nbytes)
             for (fqn, number), items in by_chunk.items() if self._whole_chunk(fqn, number, items)]
         return plan
+
+    def global_plan(self, parts: list[tuple[str, LoadPlan]]) -> list[LoadPlan]:
+        """The coordinator's plan from every rank's ``(location, local
+        plan)``; refuses ranks that name other checkpoints than the
+        coordinator's, whose metadata they planned with."""
+        refuse_differing_locations(
+            [where for where, _ in parts], "one load",
+            "the coordinator read the metadata of its own, and the others would read the files "
+            "it names in theirs; nothing was read")
+        return self.planner.create_global_plan([plan for _, plan in parts])
 
     def read(self, plan: LoadPlan) -> None:
         """Read this rank's items and run its transfers."""
@@ -213,25 +238,31 @@ class _Load:
         self.forced = {(i.fqn, i.chunk) for i in self.whole}
         runs = self._arriving_runs(plan)
         later = [i for i in plan.cached if i not in runs]
-        with ThreadPoolExecutor(self._read_threads(plan)) as pool:
-            # reads feeding transfers first, in the order the transfers run,
-            # one read call per transfer and file; then the rank's own
-            # regions; last those another rank of the host pulls into the
-            # page cache
-            reads: dict[ReadItem, tuple[Future, int]] = {}
-            futures = []
-            batches = [(t.items, False) for t in sourced]
-            for items, cached in [*batches, (plan.items, False), (later, True)]:
-                todo = [i for i in dict.fromkeys(items) if i not in reads]
-                for name, group in self._by_file(todo).items():
-                    futures.append(pool.submit(self._read_file, name, group, cached, keep))
-                    reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
-            if plan.transfers:
-                self._run_transfers(plan, reads)
-            if runs:
-                futures += self._read_arriving(runs, futures, pool)
-            for future in futures:
-                future.result()
+        self.streams = devices.CallerStreams([t.data for t in self.targets])
+        # the pool's copies into accelerator targets run on the caller's streams
+        with ThreadPoolExecutor(self._read_threads(plan), initializer=self.streams.enter) as pool:
+            try:
+                # reads feeding transfers first, in the order the transfers
+                # run, one read call per transfer and file; then the rank's
+                # own regions; last those another rank of the host pulls
+                # into the page cache
+                reads: dict[ReadItem, tuple[Future, int]] = {}
+                futures = []
+                batches = [(t.items, False) for t in sourced]
+                for items, cached in [*batches, (plan.items, False), (later, True)]:
+                    todo = [i for i in dict.fromkeys(items) if i not in reads]
+                    for name, group in self._by_file(todo).items():
+                        futures.append(pool.submit(self._read_file, name, group, cached, keep))
+                        reads.update((item, (futures[-1], k)) for k, item in enumerate(group))
+                if plan.transfers:
+                    self._run_transfers(plan, reads)
+                if runs:
+                    futures += self._read_arriving(runs, futures, pool)
+                for future in futures:
+                    future.result()
+            except BaseException:  # reads not started are dropped; the pool is joined
+                pool.shutdown(cancel_futures=True)
+                raise
         self._load_objects()
 
     def _arriving_runs(self, plan: LoadPlan) -> dict[ReadItem, tuple[int, memoryview]]:
@@ -374,42 +405,58 @@ class _Load:
         return self.exchange
 
     def _run_transfers(self, plan: LoadPlan, reads: dict) -> None:
-        """Send what this rank read, receive the rest; a failure is raised
-        only after every transfer ran, so no member is left waiting."""
+        """Send what this rank read, receive the rest; a failure of a
+        transfer is raised only after every transfer ran, so no member is
+        left waiting.  Any other failure withdraws what the publisher has
+        not handed over yet (:meth:`HostExchange.abort`), so that its thread
+        ends; it is joined on every path."""
         failures: list[Exception] = []
-        device = comm_device(self.coord.group)
         me = self.coord.rank
         exchange = self._host_exchange
         published = [t for t in plan.transfers if t.shared_memory and t.src == me]
         publisher = threading.Thread(target=self._publish, args=(published, reads, failures),
                                      name="dcp-host-exchange")
         publisher.start()
-        with ReplicaGroups(plan.groups, self.coord.group, self.coord.world_size) as groups:
-            sender = Broadcaster(groups, self.max_inflight_bytes)
-            for transfer in plan.transfers:
-                if transfer.shared_memory:
-                    if transfer.src != me:
-                        try:
-                            exchange.receive(_key(transfer), transfer.src,
-                                             functools.partial(self._unpack_view, transfer))
-                        except Exception as e:  # raised after all transfers ran
-                            failures.append(e)
-                elif transfer.src == me:
-                    try:
-                        buffer = tensors.flat_bytes(
-                            [self._region(reads, i) for i in transfer.items], device)
-                    except Exception as e:  # raised after all transfers ran
-                        failures.append(e)
-                        buffer = tensors.zeros_bytes(transfer.nbytes, device)
-                    sender.start(transfer.ranks, transfer.src, buffer, lambda: None)
-                else:
-                    buffer = tensors.zeros_bytes(transfer.nbytes, device)
-                    sender.start(transfer.ranks, transfer.src, buffer,
-                                 functools.partial(self._unpack, transfer, buffer, failures))
-            sender.finish()
-        publisher.join()
+        try:
+            with ReplicaGroups(plan.groups, self.coord.group, self.coord.members,
+                               self.session) as groups:
+                sender = Broadcaster(groups, self.max_inflight_bytes)
+                for transfer in plan.transfers:
+                    self._transfer(transfer, reads, sender, failures)
+                sender.finish()
+        except BaseException:
+            exchange.abort()
+            raise
+        finally:
+            publisher.join()
         if failures:
             raise failures[0]
+
+    def _transfer(self, transfer: Transfer, reads: dict, sender: Broadcaster,
+                  failures: list[Exception]) -> None:
+        """This rank's part of one transfer: receive it from shared memory,
+        or start its broadcast (host buffers, over gloo); a failure to read
+        or unpack is added to ``failures`` (a source that cannot read sends
+        zeros, so its receivers are not left waiting)."""
+        me = self.coord.rank
+        if transfer.shared_memory:
+            if transfer.src != me:
+                try:
+                    self._host_exchange.receive(_key(transfer), transfer.src,
+                                                functools.partial(self._unpack_view, transfer))
+                except Exception as e:  # raised after all transfers ran
+                    failures.append(e)
+        elif transfer.src == me:
+            try:
+                buffer = tensors.flat_bytes([self._region(reads, i) for i in transfer.items])
+            except Exception as e:  # raised after all transfers ran
+                failures.append(e)
+                buffer = tensors.zeros_bytes(transfer.nbytes)
+            sender.start(transfer.ranks, transfer.src, buffer, lambda: None)
+        else:
+            buffer = tensors.zeros_bytes(transfer.nbytes)
+            sender.start(transfer.ranks, transfer.src, buffer,
+                         functools.partial(self._unpack, transfer, buffer, failures))
 
     def _publish(self, transfers: list[Transfer], reads: dict,
                  failures: list[Exception]) -> None:
@@ -618,10 +665,16 @@ class _Load:
         return runs
 
     def _staging(self, nbytes: int):
-        """This thread's reused staging memory, at least ``nbytes`` long."""
-        buf = getattr(self.staging, "buf", None)
+        """This thread's reused staging memory, at least ``nbytes`` long:
+        page-locked where targets are on an accelerator, once the copies
+        out of its last use have run (:meth:`_read_wave`)."""
+        local = self.staging
+        for event in getattr(local, "events", ()):
+            event.synchronize()
+        local.events = []
+        buf = getattr(local, "buf", None)
         if buf is None or buf.numel() < nbytes:
-            buf = self.staging.buf = tensors.empty_bytes(nbytes)
+            buf = local.buf = tensors.empty_bytes(nbytes, pinned=bool(self.streams))
         return buf
 
     def _read_wave(self, name: str, items: list[ReadItem], sinks: list[_Sink], cached: bool,
@@ -653,6 +706,8 @@ class _Load:
             self.counts[cached][1] += len(requests)
         for sink, view in zip(sinks, views, strict=True):
             self._finish(sink, view, items, keep, out)
+        if self.streams:  # copies into accelerator targets queued: reuse the staging after them
+            self.staging.events = self.streams.record()
 
     def _fetch(self, fqn: str, chunk, ranges) -> None:
         try:
@@ -661,11 +716,8 @@ class _Load:
             raise self._read_error(fqn, chunk, e) from e
 
     def _read_error(self, fqn: str, chunk: ChunkMeta, error: Exception) -> CheckpointError:
-        """The error naming the region whose read failed: the checkpoint is
-        corrupt where its file is missing or too short; any other failure
-        (a timeout, a full disk) says nothing about the checkpoint."""
-        kind = CorruptCheckpointError if isinstance(error, FileNotFoundError | EOFError) \
-            else CheckpointError
+        """The error naming the region whose read failed (:func:`_read_error_kind`)."""
+        kind = _read_error_kind(error)
         return kind(f"{fqn!r}: reading chunk at offsets {list(chunk.offsets)} from file "
                     f"{chunk.file!r} failed on rank {self.coord.rank}: "
                     f"{type(error).__name__}: {error}")
@@ -711,7 +763,7 @@ class _Load:
             blob = bytearray(ref.nbytes)
             self.storage.read_ranges(ref.file, [(ref.byte_offset, memoryview(blob))])
         except Exception as e:
-            raise CorruptCheckpointError(
+            raise _read_error_kind(e)(
                 f"{fqn!r}: reading its {what} bytes from file {ref.file!r} failed on rank "
                 f"{self.coord.rank}: {e}") from e
         if checksum(blob) != ref.checksum:
@@ -743,13 +795,14 @@ class _Load:
             self.leaves[fqn].replace(fqn, value)
 
     def run(self, checkpoint_id: str) -> LoadReport:
-        data, session = self.coord.broadcast(
+        data, self.session = self.coord.broadcast(
             "load: reading metadata", lambda: (read_metadata_bytes(self.storage), uuid.uuid4().hex))
         self.metadata = decode(data, f"{checkpoint_id}/{METADATA_FILE}")
         if self.coord.world_size > 1:
-            self.exchange = HostExchange(session, self.coord.rank, self.max_inflight_bytes)
-        plan = self.coord.gather_scatter("load planning", self.local_plan,
-                                         self.planner.create_global_plan)
+            self.exchange = HostExchange(self.session, self.coord.rank, self.max_inflight_bytes)
+        where = location_key(self.storage.checkpoint_id)
+        plan = self.coord.gather_scatter("load planning", lambda: (where, self.local_plan()),
+                                         self.global_plan)
         try:
             self.coord.run_all("load reading", lambda: self.read(plan))
         finally:
@@ -799,7 +852,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
          planner: LoadPlanner | None = None, storage: StoragePlugin | None = None,
          process_group=None, storage_options: dict | None = None,
          max_inflight_bytes: int = 256 << 20, verify: str = "chunks",
-         host: str | None = None) -> LoadReport:
+         host: str | None = None, device: Any = None) -> LoadReport:
     """Fill ``state_dict`` in place from a checkpoint; collective over the group.
 
     The target's layout may differ from the saved one (other world size,
@@ -812,8 +865,14 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     is loaded through its ``state_dict()``, whose tensors are the in-place
     targets; once every read has finished its ``load_state_dict()`` is called
     with the loaded values.  A target on the meta device is replaced by a
-    real host tensor of the saved dtype and listed in
+    real tensor of the saved dtype on ``device`` and listed in
     :attr:`LoadReport.materialized`; one the checkpoint lacks raises.
+
+    Copies into accelerator targets are queued on the caller's current
+    stream of each target's device (``torch.accelerator.current_stream``):
+    work queued on that stream after the call sees the loaded values
+    without a synchronization; another stream must wait for it first
+    (``docs/devices.md``).
 
     Args:
         state_dict: the target, structured like the saved one.
@@ -847,6 +906,10 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             storage's page cache and host shared memory.  Default: derived
             from the kernel's boot id and the ``/dev/shm`` mount.  Tests
             pass it to simulate several hosts on one machine.
+        device: where targets on the meta device are materialized
+            (``torch.device`` or its name); default: the current
+            accelerator with its index (``cuda:3``), for a DTensor its
+            mesh's device type, else the host.
 
     A save to ``checkpoint_id`` still in flight in this process
     (:func:`dcp.async_save`) is waited for first.
@@ -855,7 +918,8 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         NotACheckpointError: nothing committed at ``checkpoint_id``.
         CorruptCheckpointError: a checksum mismatch, or a missing or
             truncated file, naming the fqn, chunk and file.
-        CheckpointError: shape or dtype mismatch, missing keys, or a
+        CheckpointError: shape or dtype mismatch, missing keys, ranks
+            that passed different checkpoint ids (naming each), or a
             failure on another rank (naming it).
     """
     pending.wait(str(checkpoint_id))  # this process's save in flight to it, if any
@@ -864,7 +928,7 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     if planner is None:
         planner = default_planner("load")
-    prepared = targets.Targets(state_dict)
+    prepared = targets.Targets(state_dict, device)
     job = _Load(prepared.state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify, host)
     job.before_planning = prepared.before_planning

@@ -6,21 +6,28 @@ failure anywhere fails the save on every rank:
 1. *planning* — every rank describes what it holds; the coordinator refuses
    to replace a committed checkpoint unless ``overwrite=True``, and the save
    planner deduplicates and balances the chunks;
-2. *writing* — every rank writes its chunks into ``thread_count``
-   size-balanced files in parallel, computing each chunk's CRC-32C as it goes,
-   and fingerprints the replicas it holds but does not write
-   (:func:`fingerprint`);
+2. *writing* — every rank stages what it writes from accelerators into
+   reused page-locked host memory, on the caller's current streams
+   (:class:`dcp.core.devices.HostStaging`), then writes its chunks into
+   ``thread_count`` size-balanced files in parallel, computing each chunk's
+   CRC-32C as it goes, and fingerprints the replicas it holds but does not
+   write (:func:`fingerprint`; of an accelerator replica only the sample
+   crosses to the host);
 3. *commit* — the coordinator checks that every replica of a chunk has the
-   same fingerprint, builds the metadata and commits it atomically, last.  Only
-   then, with ``overwrite=True``, are the previous checkpoint's data files
-   deleted: new data files carry the save's id in their names, so until the
-   commit the previous checkpoint stays whole and loadable.
+   same fingerprint, builds the metadata, runs the caller's
+   ``before_commit`` action with it (a checkpoint manager names the step in
+   its pointer there: :class:`dcp.manager.steps.NamePointer`) and commits it
+   atomically, last.  Only then, with ``overwrite=True``, are the previous
+   checkpoint's data files deleted: new data files carry the save's id in
+   their names, so until the commit the previous checkpoint stays whole and
+   loadable.
 
 On failure every rank deletes the files it wrote, interrupted or not
-(``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler); nothing
-is committed.  What a killed process could not delete (``SIGKILL``) is listed
-as orphaned by ``hyperdcp list`` and ``hyperdcp verify``, and deleted by
-``hyperdcp prune`` or by the next save that commits there.
+(``KeyboardInterrupt``, ``SystemExit`` from a ``SIGTERM`` handler), then the
+checkpoint's folder if the save made it; nothing is committed.  What a
+killed process could not delete (``SIGKILL``) is listed as orphaned by
+``hyperdcp list`` and ``hyperdcp verify``, and deleted by ``hyperdcp prune``
+or by the next save that commits there.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import numpy as np
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
-from dcp.core import mindspore_tensors, stateful, tensors
+from dcp.core import devices, mindspore_tensors, stateful, tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
     METADATA_FILE,
@@ -78,11 +85,28 @@ _plan_caches: dict[tuple[int, ...], PlanCache] = {}
 REPLICA_SAMPLE_BYTES = 1 << 20
 _SAMPLE_PIECES = 256
 
+#: Host memory the accelerator bytes of :func:`save` are staged into,
+#: page-locked and kept for the next save of the process.
+_host_staging = devices.HostStaging()
+
+
+def sample_ranges(nbytes: int) -> list[tuple[int, int]]:
+    """The ``(start, length)`` byte ranges of a chunk of ``nbytes`` that
+    :func:`fingerprint` hashes: all of it up to :data:`REPLICA_SAMPLE_BYTES`,
+    else 256 evenly spaced 4 KiB pieces (the first starts the chunk, the
+    last ends it)."""
+    if nbytes <= REPLICA_SAMPLE_BYTES:
+        return [(0, nbytes)]
+    piece = REPLICA_SAMPLE_BYTES // _SAMPLE_PIECES
+    return [(i * (nbytes - piece) // (_SAMPLE_PIECES - 1), piece) for i in range(_SAMPLE_PIECES)]
+
 
 def fingerprint(buffer: memoryview) -> int:
     """What replicas of a chunk are compared by: the CRC-32C of its bytes, or,
     for a chunk over :data:`REPLICA_SAMPLE_BYTES`, of 256 evenly spaced 4 KiB
-    pieces of them.
+    pieces of them (:func:`sample_ranges`), which equals the CRC-32C of the
+    pieces put end to end (:func:`dcp.core.devices.byte_sample` gathers them
+    on an accelerator).
 
     Hashing every replica in full would cost every holder a pass over all
     its replicated bytes (measured: 2.5x the time of a replicated save at
@@ -90,13 +114,9 @@ def fingerprint(buffer: memoryview) -> int:
     all-reduce) differ throughout and are caught by the sample, while a
     difference confined to a few elements of a large chunk can escape it.
     """
-    if len(buffer) <= REPLICA_SAMPLE_BYTES:
-        return checksum(buffer)
-    piece = REPLICA_SAMPLE_BYTES // _SAMPLE_PIECES
     value = 0
-    for i in range(_SAMPLE_PIECES):  # the first piece starts the chunk, the last ends it
-        start = i * (len(buffer) - piece) // (_SAMPLE_PIECES - 1)
-        value = checksum(buffer[start:start + piece], value)
+    for start, length in sample_ranges(len(buffer)):
+        value = checksum(buffer[start:start + length], value)
     return value
 
 
@@ -469,6 +489,11 @@ def data_file_prefix(rank: int) -> str:
     return f"r{rank:05d}-"
 
 
+#: An action the coordinator runs with a save's metadata right before
+#: committing it (:func:`save`'s ``before_commit``).
+BeforeCommit = Callable[[Metadata], None]
+
+
 class _Save:
     """State of one save on one rank.
 
@@ -480,17 +505,25 @@ class _Save:
     metadata_file = METADATA_FILE
 
     def __init__(self, describe: Callable[[], SaveState], storage: StoragePlugin,
-                 planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool) -> None:
+                 planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool,
+                 before_commit: BeforeCommit | None = None) -> None:
         self.describe = describe
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
         self.overwrite = overwrite
+        self.before_commit = before_commit
         self.state = SaveState()
         self.save_id: str | None = None
         self.written: list[str] = []
+        #: the checkpoint's folder did not exist as the save began on this rank
+        self.fresh = storage.location_exists() is False
         self.decls: dict[str, TensorDecl] = {}
         self._by_fqn: dict[str, list[tensors.LocalChunk]] | None = None  # built for pieces
+        #: host copies of the accelerator items this rank writes, by
+        #: ``(fqn, offsets)``, and the samples of its accelerator replicas
+        self.staged: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self.samples: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     # -- phase 1: planning
     def offered(self) -> SavePlan:
@@ -541,6 +574,7 @@ class _Save:
         self.written = names
         replicas = [key for key, c in self.state.chunks.items()
                     if key not in mine and c.data.numel() > 0]
+        self._stage(plan.items, replicas)
         workers = max(1, self.storage.thread_count)
         # checksums, and the fingerprints of the replicas this rank does not
         # write, are computed on their own threads while the bytes are written
@@ -557,17 +591,44 @@ class _Save:
                 result.replicas.update(future.result())
         return result
 
+    def _stage(self, items: list[WriteItem], replicas: list) -> None:
+        """On the caller's thread, before any writer starts: copy what this
+        rank writes from accelerators, and the samples of the accelerator
+        replicas it fingerprints (:func:`sample_ranges`, gathered on the
+        device), into the process's reused page-locked staging
+        (:class:`dcp.core.devices.HostStaging`).  The copies run on the
+        caller's current streams, so what the caller queued before the call
+        is what is saved."""
+        keys: list[tuple[bool, tuple[str, tuple[int, ...]]]] = []
+        sources = []
+        for item in items:
+            source = self._source(item)
+            if devices.is_accelerator(source.device):
+                keys.append((False, (item.fqn, item.offsets)))
+                sources.append(source)
+        for key in replicas:
+            data = self.state.chunks[key].data
+            if devices.is_accelerator(data.device):
+                keys.append((True, key))
+                sources.append(devices.byte_sample(
+                    data, sample_ranges(data.numel() * data.element_size())))
+        self.staged, self.samples = {}, {}
+        for (sample, key), host in zip(keys, _host_staging.stage(sources) if sources else [],
+                                       strict=True):
+            (self.samples if sample else self.staged)[key] = host
+
     def _hash_all(self, keys: list) -> dict:
-        return {key: fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
+        return {key: checksum(tensors.byte_view(self.samples[key])) if key in self.samples
+                else fingerprint(tensors.byte_view(tensors.to_host(self.state.chunks[key].data)))
                 for key in keys}
 
-    def _bytes(self, item: WriteItem) -> memoryview:
-        """The bytes of ``item``: a chunk this rank holds, or a box inside
-        one (a piece of a chunk the planner split; a slice along dimension 0
-        is a view, not a copy)."""
+    def _source(self, item: WriteItem):
+        """The tensor holding ``item``: a chunk this rank holds, or a box
+        inside one (a piece of a chunk the planner split; a slice along
+        dimension 0 is a view, not a copy)."""
         chunk = self.state.chunks.get((item.fqn, item.offsets))
         if chunk is not None and chunk.sizes == item.sizes:
-            return tensors.byte_view(tensors.to_host(chunk.data))
+            return chunk.data
         if self._by_fqn is None:  # writer threads may build it twice, never see it half-built
             by_fqn = defaultdict(list)
             for (fqn, _), c in self.state.chunks.items():
@@ -577,7 +638,14 @@ class _Save:
                      if all(o <= i and i + n <= o + s for o, s, i, n
                             in zip(c.offsets, c.sizes, item.offsets, item.sizes, strict=True)))
         rel = [i - o for i, o in zip(item.offsets, chunk.offsets, strict=True)]
-        return tensors.byte_view(tensors.to_host(tensors.region(chunk.data, rel, item.sizes)))
+        return tensors.region(chunk.data, rel, item.sizes)
+
+    def _bytes(self, item: WriteItem) -> memoryview:
+        """The bytes of ``item`` in host memory (staged, if it lives on an
+        accelerator)."""
+        staged = self.staged.get((item.fqn, item.offsets))
+        return tensors.byte_view(staged if staged is not None
+                                 else tensors.to_host(self._source(item)))
 
     def _write_file(self, name: str, group: list[WriteItem], hashers: ThreadPoolExecutor):
         """Write one data file while ``hashers`` computes its chunks'
@@ -616,6 +684,8 @@ class _Save:
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
         md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
+        if self.before_commit is not None:
+            self.before_commit(md)
         commit_metadata(self.storage, self.metadata_file, md, self.overwrite)
         # the replaced checkpoint's data files, and those an interrupted save
         # left (a process killed before it could delete them)
@@ -675,17 +745,29 @@ class _Save:
         coordinator, or a rank waiting for its answer, loses a peer after the
         metadata was published); the files are then the checkpoint's.  If
         the metadata cannot be read, the files are kept: garbage is better
-        than a committed checkpoint without its data."""
-        if not self.written:
-            return
-        try:
-            committed = decode(self.storage.read_file(self.metadata_file)).save_id == self.save_id
-        except (FileNotFoundError, CorruptCheckpointError):
-            committed = False
-        except Exception:  # unknown: keep the files
-            committed = True
-        if not committed:
+        than a committed checkpoint without its data.  Then the folder goes
+        too if the save made it (:meth:`remove_folder`)."""
+        if self.written:
+            try:
+                committed = (decode(self.storage.read_file(self.metadata_file)).save_id
+                             == self.save_id)
+            except (FileNotFoundError, CorruptCheckpointError):
+                committed = False
+            except Exception:  # unknown: keep the files
+                committed = True
+            if committed:
+                return
             self.storage.delete(self.written)
+            self.written = []
+        self.remove_folder()
+
+    def remove_folder(self) -> None:
+        """After a failure, once this rank's files are deleted: remove the
+        checkpoint's folder if it did not exist when this rank's save began
+        and is empty now (:meth:`StoragePlugin.remove_if_empty`; each rank
+        tries, so the last to delete its files removes it)."""
+        if self.fresh:
+            self.storage.remove_if_empty()
 
     def plan_all(self, plans: list[SavePlan], save_id: str | None) -> list[tuple[str, SavePlan]]:
         """The coordinator's planning: each rank's final plan, with the
@@ -703,7 +785,8 @@ class _Save:
 
 def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
          storage: StoragePlugin | None = None, process_group=None, overwrite: bool = False,
-         allow_pickle: bool = False, storage_options: dict | None = None) -> Metadata:
+         allow_pickle: bool = False, storage_options: dict | None = None,
+         before_commit: BeforeCommit | None = None) -> Metadata:
     """Save a (sharded) state dict as one checkpoint; collective over the group.
 
     Args:
@@ -722,6 +805,11 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         allow_pickle: store values that are not JSON-representable pickled.
         storage_options: keyword options of the storage plugin (e.g.
             ``thread_count``, ``fsync`` for POSIX).
+        before_commit: ``fn(metadata)``, run once, by the coordinator, after
+            every rank has written and right before the metadata is
+            committed: what must be durable before the checkpoint exists
+            (the checkpoint manager names the step in its pointer there).
+            Raising fails the save on every rank: nothing is committed.
 
     A save waits first for this process's :func:`dcp.async_save` in flight,
     if any (one save in flight per job).  A save of a structure this group
@@ -734,7 +822,8 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
 
     Raises:
         CheckpointError: on every rank, naming the rank, fqn or file at
-        fault, if anything fails; nothing is committed then.
+        fault, if anything fails (ranks that passed different checkpoint
+        ids: each id and its ranks); nothing is committed then.
     """
     pending.wait()
     coordinator = Coordinator(process_group)
@@ -742,7 +831,7 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else cast(SavePlanner, default_planner("save"))
     job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
-                overwrite)
+                overwrite, before_commit)
     with gc_paused():
         if coordinator.world_size == 1:  # nothing to exchange
             return job.run()

@@ -11,10 +11,12 @@
   (:class:`dcp.core.mindspore_tensors.LoadTargets`); a failure there is
   kept and raised inside the planning step, so every rank fails together;
 * once the metadata is known, inside the planning step, every target on the
-  meta device is replaced by a real host tensor of its layout and the saved
-  dtype (:func:`dcp.core.tensors.materialize`), or the load raises naming it
-  when the checkpoint lacks it.  PyTorch DCP materializes them too; what it
-  must never be is a meta target left in place by a load that succeeds;
+  meta device is replaced by a real tensor of its layout and the saved
+  dtype, on the load's ``device`` (by default the current accelerator:
+  :func:`dcp.core.tensors.materialize`), or the load raises naming it when
+  the checkpoint lacks it.  PyTorch DCP materializes them too, on its
+  group's device; what it must never be is a meta target left in place by
+  a load that succeeds;
 * after every read, the loaded values are written into the MindSpore
   targets, the Statefuls' ``load_state_dict()`` are called and the
   replaced fqns reported (:attr:`dcp.LoadReport.materialized`).
@@ -32,9 +34,11 @@ from dcp.errors import CheckpointError
 
 class Targets:
     """The state dict one load fills: ``state_dict`` is what the load
-    plans against."""
+    plans against; meta-device targets are materialized on ``device``
+    (``None``: :func:`dcp.core.tensors.materialize`'s default)."""
 
-    def __init__(self, state_dict: Any) -> None:
+    def __init__(self, state_dict: Any, device: Any = None) -> None:
+        self.device = device
         self.error: CheckpointError | None = None
         self.mindspore = mindspore_tensors.LoadTargets()
         try:
@@ -66,7 +70,7 @@ class Targets:
                 raise CheckpointError(
                     f"{fqn!r} is on the meta device and the checkpoint does not hold it: "
                     f"nothing would give it values (materialize it, or leave it out)")
-            leaf.replace(fqn, tensors.materialize(leaf.value, saved.dtype))
+            leaf.replace(fqn, tensors.materialize(leaf.value, saved.dtype, self.device))
             self.materialized.append(fqn)
 
     def finish(self, report: Any) -> None:

@@ -9,7 +9,8 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
   tensor's shape, dtype, bytes, chunks and writers (``--chunks`` lists each
   chunk; ``--json`` for machine-readable output).
 * ``hyperdcp verify URI`` — reads every stored byte and checks every
-  checksum; lists each damaged chunk or value by fqn and file.
+  checksum; lists each damaged chunk or value by fqn and file (a step a
+  manager marked bad: its mark).
 * ``hyperdcp diff A B`` — which tensors and values differ, and by how much.
 * ``hyperdcp convert SRC DST`` — between hyperdcp checkpoints, Hugging Face
   safetensors (single file or sharded folder), PyTorch DCP checkpoints and
@@ -18,10 +19,12 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 * ``hyperdcp list ROOT`` — every checkpoint under a root (or the one it
   is): complete or incomplete, size, age, orphaned files
   (:mod:`dcp.orchestration.inventory`); for a :class:`dcp.CheckpointManager`
-  root, its steps in order and the step its ``latest.json`` names.
+  root, its steps in order, those marked bad, and the step its
+  ``latest.json`` names.
 * ``hyperdcp prune URI`` — deletes the orphaned files under a checkpoint or
-  root: what saves killed before their cleanup left; ``--keep-latest N``
-  also deletes all but the newest N complete steps of a manager's root.
+  root: what saves killed before their cleanup left; under a manager's
+  root also the steps ``load_latest`` marked bad and, with
+  ``--keep-latest N``, all but the newest N complete steps.
 
 A URI is a path or any URI a storage plugin serves; ``-o [SCHEME:]KEY=VALUE``
 passes options to the plugins (with ``SCHEME:``, only to that scheme's).
@@ -56,16 +59,23 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcp.coordination.independent import has_metadata, what_is_there
-from dcp.core.metadata import CHECKSUM, METADATA_FILE
-from dcp.core.storage import open_storage, scheme_of
+from dcp.core.metadata import CHECKSUM, METADATA_FILE, TORCH_METADATA_FILE
+from dcp.core.storage import open_storage, scheme_of, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from dcp.interop import mindspore_ckpt, safetensors_io, torch_dcp_io
 from dcp.interop.mindspore_ckpt import MindSporeCkpt, is_mindspore_ckpt
 from dcp.interop.safetensors_io import INDEX_FILE, SUFFIX, SafetensorsFolder
 from dcp.interop.streaming import split_file
-from dcp.interop.torch_dcp_io import TORCH_METADATA_FILE
-from dcp.manager.manager import POINTER, STEP_PREFIX, prune_steps, read_pointer, step_of
 from dcp.manager.policies import LatestN
+from dcp.manager.steps import (
+    POINTER,
+    STEP_PREFIX,
+    delete_bad_steps,
+    prune_steps,
+    read_bad_mark,
+    read_pointer,
+    step_of,
+)
 from dcp.orchestration import inventory
 from dcp.orchestration.load import read_metadata
 from dcp.tools.diff import diff
@@ -84,6 +94,8 @@ DESCRIPTION = ("hyperdcp: distributed checkpoints for PyTorch. Inspect, verify, 
 
 
 FORMATS = ("hyperdcp", "safetensors", "torch-dcp", "mindspore")
+#: ``hyperdcp list``'s state of a step that ``load_latest`` marked bad.
+BAD = "bad"
 
 
 class UsageError(CheckpointError):
@@ -135,19 +147,28 @@ def _detect(uri: str, options: dict[str | None, dict]) -> str:
     if uri.endswith(SUFFIX):
         return "safetensors"
     storage = open_storage(uri, **_options_for(uri, options))
-    if has_metadata(storage):
-        return "hyperdcp"
-    if storage.exists(TORCH_METADATA_FILE):
-        return "torch-dcp"
-    if _is_ckpt_file(uri, options):
-        return "mindspore"
-    if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
-                                         for n in storage.list_files()):
-        return "safetensors"
+    with storage_errors(f"reading {uri!r}"):
+        if has_metadata(storage):
+            return "hyperdcp"
+        if storage.exists(TORCH_METADATA_FILE):
+            return "torch-dcp"
+        if _is_ckpt_file(uri, options):
+            return "mindspore"
+        if storage.exists(INDEX_FILE) or any(n.endswith(SUFFIX) and "/" not in n
+                                             for n in _names(storage)):
+            return "safetensors"
     raise NotACheckpointError(
         f"{uri!r} is not a checkpoint (no {METADATA_FILE}, no PyTorch DCP "
         f"{TORCH_METADATA_FILE}, no {SUFFIX} file, not a MindSpore {mindspore_ckpt.SUFFIX} "
         f"file): {what_is_there(storage)}")
+
+
+def _names(storage) -> list[str]:
+    """The files under ``storage``'s root; none where the root is a file."""
+    try:
+        return storage.list_files()
+    except NotADirectoryError:
+        return []
 
 
 def _open(uri: str, options: dict[str | None, dict]):
@@ -206,6 +227,17 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
+    try:
+        mark = read_bad_mark(open_storage(args.uri, **_options_for(args.uri,
+                                                                   _options(args.option))))
+    except Exception:  # noqa: BLE001  # the storage cannot say: reading the checkpoint tells why
+        mark = None
+    if mark is not None:
+        kept = (f"its metadata is kept as {mark['metadata']} (rename it to {METADATA_FILE} to "
+                f"restore the step)" if mark.get("metadata") else "it had no metadata left")
+        print(f"BAD: {args.uri} was marked bad by load_latest: {mark.get('reason', '')}; "
+              f"{kept}; hyperdcp prune of its root deletes it")
+        return EXIT_DAMAGED
     try:
         fmt, storage = _open(args.uri, _options(args.option))
         report = verify(args.uri, storage=storage, progress=_progress(args))
@@ -270,16 +302,22 @@ def _age(seconds: float | None) -> str:
 
 
 def _latest(root: str, options: dict, found: list) -> tuple[int | None, str]:
-    """The step a manager root's ``latest.json`` names, and whether that
-    step is complete with the same save id (``"verified"``) or not."""
+    """The step ``load_latest`` resumes from by a manager root's
+    ``latest.json`` (``None`` if the pointer cannot say), and what the
+    pointer says of it."""
     pointer = read_pointer(open_storage(root, **options))
     if pointer is None:
         return None, ""
-    step = pointer["step"]
-    entry = next((e for e in found if e.name == f"{STEP_PREFIX}{step}"), None)
-    ok = (entry is not None and entry.metadata is not None
-          and entry.metadata.save_id == pointer.get("save_id"))
-    return step, "verified" if ok else "stale: hyperdcp and load_latest fall back to listing"
+    complete = {e.name: e.metadata for e in found if e.metadata is not None}
+    step, previous = pointer["step"], pointer.get("previous")
+    md = complete.get(f"{STEP_PREFIX}{step}")
+    if md is not None:
+        same = md.save_id == pointer.get("save_id")
+        return step, f"step {step} ({'verified' if same else 'complete'})"
+    if isinstance(previous, int) and f"{STEP_PREFIX}{previous}" in complete:
+        return previous, (f"step {step} (not committed: a save in flight, or one that failed or "
+                          f"was marked bad), after step {previous} (complete)")
+    return None, f"step {step} (stale: hyperdcp and load_latest fall back to listing)"
 
 
 def _by_step(entry) -> tuple:
@@ -291,7 +329,10 @@ def _by_step(entry) -> tuple:
 def _require_location(uri: str, options: dict) -> None:
     """Refuse a root that does not exist (a mistyped path in a script must
     not pass for an empty one)."""
-    if open_storage(uri, **options).location_exists() is False:
+    storage = open_storage(uri, **options)
+    with storage_errors(f"reading {uri!r}"):
+        exists = storage.location_exists()
+    if exists is False:
         raise CheckpointError(f"{uri}: no such directory")
 
 
@@ -300,10 +341,24 @@ def _list(args) -> int:
     _require_location(args.root, options)
     found = sorted(inventory.scan(args.root, options), key=_by_step)
     latest, verdict = _latest(args.root, options, found)
+    root = open_storage(args.root, **options)
+    bad: dict[str, dict] = {}
+    for e in found:  # a marked step holds data files but no metadata: incomplete
+        if e.state == inventory.INCOMPLETE and step_of(f"{e.name}/x") is not None:
+            mark = read_bad_mark(root, f"{e.name}/")
+            if mark is not None:
+                bad[e.name] = mark
+
+    def state_of(e) -> str:
+        return BAD if e.name in bad else e.state
+
+    def detail_of(e) -> str:
+        return str(bad[e.name].get("reason", "")) if e.name in bad else e.detail
+
     if args.json:
-        print(json.dumps([{"name": e.name, "uri": e.uri, "state": e.state, "nbytes": e.nbytes,
+        print(json.dumps([{"name": e.name, "uri": e.uri, "state": state_of(e), "nbytes": e.nbytes,
                            "age_s": e.age_s, "orphans": sorted(e.orphans),
-                           "orphan_bytes": e.orphan_bytes, "detail": e.detail,
+                           "orphan_bytes": e.orphan_bytes, "detail": detail_of(e),
                            **({"latest": True} if latest is not None
                               and e.name == f"{STEP_PREFIX}{latest}" else {})}
                           for e in found], indent=1))
@@ -311,14 +366,17 @@ def _list(args) -> int:
     if not found:
         print(f"{args.root}: no checkpoint there")
         return 0
-    if latest is not None:
-        print(f"latest.json: step {latest} ({verdict})")
-    elif open_storage(args.root, **options).exists(POINTER):
+    if verdict:
+        print(f"{POINTER}: {verdict}")
+    elif root.exists(POINTER):
         print(f"{POINTER}: not a pointer (unreadable, or not {{\"step\": N, \"save_id\": ...}}):"
               f" hyperdcp and load_latest fall back to listing")
     for e in found:
-        state = e.state
-        if e.state == inventory.COMPLETE and e.orphans:
+        state = state_of(e)
+        if e.name in bad:
+            state += (f" (marked by load_latest: {detail_of(e)}): not complete; hyperdcp prune "
+                      f"{args.root} deletes it")
+        elif e.state == inventory.COMPLETE and e.orphans:
             state += f", {len(e.orphans)} orphaned file(s) ({_size(e.orphan_bytes)})"
         elif e.state == inventory.INCOMPLETE:
             state += (f": no committed metadata, {len(e.orphans)} file(s) of an interrupted "
@@ -326,7 +384,7 @@ def _list(args) -> int:
         elif e.state == inventory.DAMAGED:
             state += f": {e.detail}"
         print(f"{e.name or '.'}: {state}; {_size(e.nbytes)}, written {_age(e.age_s)}")
-    orphaned = sum(len(e.orphans) for e in found)
+    orphaned = sum(len(e.orphans) for e in found if e.name not in bad)
     if orphaned:
         print(f"{orphaned} orphaned file(s): hyperdcp prune {args.root} deletes those older "
               f"than --min-age")
@@ -345,6 +403,13 @@ def _prune(args) -> int:
     options = _options_for(args.uri, options)
     _require_location(args.uri, options)
     result = inventory.prune(args.uri, args.min_age * 60, options)
+    bad, left = delete_bad_steps(args.uri, options)  # their data files went as orphans
+    if bad:
+        print(f"{args.uri}: deleted step(s) {', '.join(map(str, bad))} (marked bad)")
+    if left:
+        print(f"{args.uri}: kept step(s) {', '.join(map(str, left))} (marked bad): they hold "
+              f"files written less than {args.min_age:g} min ago, maybe a save of that step "
+              f"in flight")
     if args.keep_latest is not None:
         steps = prune_steps(args.uri, LatestN(args.keep_latest), options)
         print(f"{args.uri}: deleted step(s) {', '.join(map(str, steps)) or 'none'} "
@@ -455,7 +520,7 @@ def _convert(args) -> int:
     if group is not None and __import__("torch.distributed").distributed.get_rank() != 0:
         return 0
     print(f"converted {count} tensors ({nbytes} bytes) from {source} {args.src} to {target} "
-          f"{args.dst} in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 2**20:.0f} MiB/s)")
+          f"{args.dst} in {seconds:.2f} s ({_size(round(nbytes / max(seconds, 1e-9)))}/s)")
     if skipped:
         print(f"note: {target} holds tensors only; skipped {len(skipped)} value(s): "
               f"{', '.join(skipped)}")
@@ -504,8 +569,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", parents=[common], help="check every checksum of a checkpoint",
                        description="Read every stored byte and check every checksum; list each "
-                                   "damaged chunk or value (fqn, file, problem). Exit 0 if "
-                                   "nothing is damaged, 3 if something is, 1 on error.")
+                                   "damaged chunk or value (fqn, file, problem); a step "
+                                   "CheckpointManager.load_latest marked bad is reported as "
+                                   "such. Exit 0 if nothing is damaged, 3 if something is (or "
+                                   "the step is marked bad), 1 on error.")
     p.add_argument("uri", metavar="URI")
     p.set_defaults(run=_verify)
 
@@ -578,12 +645,16 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_list)
 
     p = sub.add_parser("prune", parents=[common],
-                       help="delete the files interrupted saves left",
+                       help="delete what killed saves left, steps marked bad, and old steps "
+                            "(--keep-latest)",
                        description="Delete the orphaned files of every checkpoint folder under "
                                    "URI: data, exchange and commit files no committed metadata "
-                                   "uses, left by saves killed before they could clean up. "
-                                   "Files hyperdcp does not name are never touched. Exit 0, or "
-                                   "1 on error.")
+                                   "uses, left by saves killed before they could clean up, and "
+                                   "their emptied folders. Under a CheckpointManager root, also "
+                                   "the steps load_latest marked bad (corrupt; their files as "
+                                   "orphans, by --min-age) and, with --keep-latest, old complete "
+                                   "steps. Files hyperdcp does not name are never touched. Exit "
+                                   "0, or 1 on error.")
     p.add_argument("uri", metavar="URI")
     p.add_argument("--min-age", type=float, default=60.0, metavar="MINUTES",
                    help="delete only files written at least this long ago, so that a save "
