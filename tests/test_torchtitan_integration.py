@@ -227,3 +227,30 @@ def test_torchtitan_folder_on_s3_w2(ctx):
     job = titan_job.Job(folder, storage_options=options)
     assert job.resume() == 2
     assert_same_state(job.full_state(), torch.load(ctx.dir / "s3.dump-2.pt", weights_only=True))
+
+
+@dist_scenario(world_size=1, phase=4)
+def test_torchtitan_seed_checkpoint_and_model_only_initial_load_w1(ctx):
+    """create_seed_checkpoint (torchtitan's train.py calls save(0,
+    last_step=True) on one rank): step 0 holds the model only; a run there
+    resumes from it model-only (the step and the optimizer stay fresh); and
+    initial_load_path (initial_load_model_only, the default) loads the model
+    from it into another folder."""
+    import titan_job
+
+    folder = str(ctx.dir / "seed")
+    job = titan_job.Job(folder, create_seed_checkpoint=True)
+    with torch.no_grad():
+        for p in job.model.parameters():
+            p.mul_(2)
+    seed = _model(job)
+    assert job.checkpointer.save(curr_step=0, last_step=True)
+    job.checkpointer.close()
+    assert not [f for f in dcp.read_metadata(f"{folder}/step-0").fqns() if f.startswith("optim")]
+
+    for job in (titan_job.Job(folder),
+                titan_job.Job(str(ctx.dir / "fresh"), initial_load_path=f"{folder}/step-0")):
+        assert job.resume() == 0 and job.optimizers.state_dict()["state.embed.weight.step"] == 0
+        assert_same_state(_model(job), seed)
+        job.train(1)
+        job.checkpointer.close()
