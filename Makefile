@@ -35,9 +35,11 @@ install-base: venv
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 
-# what the tests need besides: the test and mindspore extras and the example (sqlite) plugin
+# what the tests need besides: the test, mindspore and integrations extras, torchtitan (without
+# its training-only dependencies, see setup.cfg) and the example (sqlite) plugin
 install: install-base
 	$(PIP) -e '.[test,mindspore,integrations]'
+	$(PIP) --no-deps torchtitan==0.3.0
 	$(PIP) -e tests/plugin_pkg
 
 demo: install-base
