@@ -319,7 +319,7 @@ def test_background_failure_fails_every_rank_and_the_next_save_works_w2(ctx):
 @dist_scenario(world_size=2, phase=0, last=True)
 def test_killed_background_process_fails_every_rank_and_the_next_save_works_w2(ctx):
     """kill -9 of rank 1's worker mid-save: result() raises on every rank
-    (rank 0 after the coordination timeout), the previous checkpoint stays
+    (with coordination='none' on rank 1 only), the previous checkpoint stays
     loadable, the partial one is refused as incomplete, and the next
     async_save (a new worker, a new gloo group) works."""
     for i, mode in enumerate(MODES):
