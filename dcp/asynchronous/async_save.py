@@ -370,9 +370,9 @@ class _Saver:
             self._publish_abort(job, message if message.startswith(f"rank {self.rank}")
                                 else f"rank {self.rank}: {message}")
         elif outcome.error is not None and self.store is not None:
-            cause = read_abort(self.store, job.seq)  # a peer lost contact: say why
-            if cause is not None and cause not in str(outcome.error):
-                outcome.error = CheckpointError(f"{outcome.error} (the cause: {cause})")
+            published = read_abort(self.store, job.seq)  # a peer lost contact: say why
+            if published is not None and published not in str(outcome.error):
+                outcome.error = CheckpointError(f"{outcome.error} (the cause: {published})")
         return replace(outcome, seq=job.seq)
 
     def _publish_abort(self, job: SaveJob, cause: str) -> None:

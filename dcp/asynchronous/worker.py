@@ -317,12 +317,13 @@ class WorkerHandle:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit after its current job; kill it after
-        ``timeout`` seconds."""
+        ``timeout`` seconds, or at once if it never had a job (prestarted,
+        or still starting)."""
         try:
             self._conn.send(None)
         except OSError:
             pass
-        self.process.join(timeout)
+        self.process.join(timeout if self.started else 0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
