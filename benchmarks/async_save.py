@@ -258,8 +258,8 @@ def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool
 
 
 #: The resume scenario: 4 x [2048, 4096] fp32 (128 MiB) per rank, five
-#: saves, one per 0.5 s training step.
-RESUME_SHAPE, RESUME_SAVES, RESUME_STEP_S = (4, 2048, 4096), 5, 0.5
+#: saves, one per 1 s training step.
+RESUME_SHAPE, RESUME_SAVES, RESUME_STEP_S = (4, 2048, 4096), 5, 1.0
 RESUME_SYSTEMS = ("cold", "prestarted")
 
 
