@@ -38,10 +38,13 @@ save in flight to its checkpoint (:func:`dcp.orchestration.pending.wait`), and e
 checkpoint is never readable before its metadata is committed, last.
 
 Failures: if any rank's background process raises or dies, ``result()``
-raises a :class:`~dcp.CheckpointError` on every rank (a rank whose peer died
-learns it after ``timeout`` seconds), nothing is committed, a previous
-checkpoint stays loadable, and the next :func:`async_save` works (a dead
-worker is replaced, the gloo group rebuilt).  With ``coordination="none"``
+raises a :class:`~dcp.CheckpointError` on every rank within seconds (the
+rank that lost its process publishes it in the job's store:
+:mod:`dcp.asynchronous.worker`), nothing is committed, a previous checkpoint
+stays loadable, and the next :func:`async_save` works (the dead worker and
+those stopped for it are replaced at once, the gloo group rebuilt).  A
+worker killed while idle is replaced by the next :func:`async_save` before
+it sends the save, which goes on.  With ``coordination="none"``
 a rank's ``result()`` covers its own part only: the checkpoint is complete
 once every rank's ``result()`` has returned, and a failed rank leaves it
 refused as incomplete.
@@ -50,7 +53,10 @@ The worker is a spawned process, so the training script must guard its
 entry point with ``if __name__ == "__main__":``, as for any spawned process:
 a script without that block fails the first save at once, saying so, and a
 worker that re-runs the script's top-level code (which blocks in
-``init_process_group`` or trains) fails it within ``timeout``.
+``init_process_group`` or trains) fails it within ``timeout``.  A script fed
+on standard input has no file to re-run, and its worker starts without it.
+:func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
+starts the worker before the first save, so that no save waits for it.
 """
 
 from __future__ import annotations
@@ -360,8 +366,9 @@ class _Saver:
                 self._replace_worker()
             self._publish_abort(job, cause)
             return Outcome(job.seq, error=CheckpointError(
-                f"rank {self.rank}: async save of {job.checkpoint_id!r} failed: {e}; nothing "
-                f"is committed on any rank, a previous checkpoint stays as it was"
+                f"rank {self.rank}: async save of {job.checkpoint_id!r} failed: {e}; the other "
+                f"ranks are told (the save fails there too, unless it had committed), a "
+                f"previous checkpoint stays as it was"
                 + (", and a new background process is starting for the next save"
                    if isinstance(e, WorkerDied) else "")))
         if outcome.alone:
