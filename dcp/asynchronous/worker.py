@@ -220,10 +220,8 @@ def _rerun_advice(path: str | None = None) -> str:
 
 
 class WorkerHandle:
-    """The trainer's side of one worker process: spawned on construction,
-    at :data:`NICENESS` below the trainer's CPU priority from its first
-    instruction (so a worker started beside a resume yields to it);
-    :meth:`wait_started` waits for it to be ready."""
+    """The trainer's side of one worker process (spawned on construction;
+    :meth:`wait_started` waits for it to be ready)."""
 
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
@@ -232,11 +230,6 @@ class WorkerHandle:
         with _main_module_importable():
             self.process.start()
         child.close()
-        try:
-            os.setpriority(os.PRIO_PROCESS, cast(int, self.process.pid),
-                           os.getpriority(os.PRIO_PROCESS, 0) + NICENESS)
-        except OSError:  # it died already: wait_started reports it
-            pass
         self.started = False
 
     def alive(self) -> bool:
@@ -395,7 +388,10 @@ def read_abort(store: Any, seq: int) -> str | None:
 
 
 def _main(conn) -> None:
+    # lower only once started: at nice 10, `import torch` on a busy machine
+    # takes many times longer, and the first save waits for it
     torch.set_num_threads(1)
+    os.nice(NICENESS)
     conn.send("ready")
     worker = _Worker()
     while True:
