@@ -31,7 +31,9 @@ meeting wakes and fails the save at once, and every other trainer, which
 checks that key once per :data:`ABORT_POLL_S` while its worker is busy,
 gives its worker :data:`ABORT_GRACE_S` to fail the save by itself and then
 kills it (nothing interrupts a blocked gloo call), failing the save on that
-rank too, naming the rank at fault.  Every rank then starts a new worker at
+rank too, naming the rank at fault; a coordinator's worker that has begun
+its commit (it says so, :data:`COMMITTING`) waits for no peer and is never
+stopped.  Every rank then starts a new worker at
 once, in the background, for the next save.  The cost of the watch is one
 store ``check`` per rank per :data:`ABORT_POLL_S` while a save is in flight.
 
@@ -91,6 +93,11 @@ ABORT_POLL_S = 1.0
 #: Seconds a worker gets to fail an aborted save by itself (it was waiting
 #: in the meeting, or its collective failed) before its trainer kills it.
 ABORT_GRACE_S = 1.0
+
+#: What a coordinator's worker tells its trainer before it commits: from
+#: then on it waits for no peer, and a failure elsewhere never stops it
+#: (the commit of a save whose every write is in stands).
+COMMITTING = "committing"
 
 #: The exit code of a worker that found itself re-running the training
 #: script's unguarded code (:func:`refuse_main_rerun`).
@@ -292,21 +299,28 @@ class WorkerHandle:
                 :data:`ABORT_GRACE_S` later: it is killed.
         """
         watched: list[Any] = [self._conn, self.process.sentinel]
-        while not wait_ready(watched, ABORT_POLL_S):
-            reason = aborted()
-            if reason is not None and not wait_ready(watched, ABORT_GRACE_S):
-                self.process.kill()
-                self.process.join(5)
-                raise WorkerStopped(reason)
-        try:
-            if self._conn.poll():
-                return self._conn.recv()
-        except (EOFError, OSError):
-            pass
-        self.process.join(5)
-        raise WorkerDied(
-            f"the async-save worker process (pid {self.process.pid}) died during the save "
-            f"({_exit_status(self.process.exitcode)})")
+        committing = False
+        while True:
+            if not wait_ready(watched, ABORT_POLL_S):
+                reason = None if committing else aborted()
+                if reason is not None and not wait_ready(watched, ABORT_GRACE_S):
+                    self.process.kill()
+                    self.process.join(5)
+                    raise WorkerStopped(reason)
+                continue
+            try:
+                if self._conn.poll():
+                    message = self._conn.recv()
+                    if message == COMMITTING:
+                        committing = True
+                        continue
+                    return message
+            except (EOFError, OSError):
+                pass
+            self.process.join(5)
+            raise WorkerDied(
+                f"the async-save worker process (pid {self.process.pid}) died during the save "
+                f"({_exit_status(self.process.exitcode)})")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit after its current job; kill it after
@@ -409,9 +423,24 @@ def _main(conn) -> None:
         if job is None:
             return
         with gc_paused():
-            outcome, cleanup = worker.run(job)
+            outcome, cleanup = worker.run(job, lambda: conn.send(COMMITTING))
         conn.send(outcome)
         cleanup()
+
+
+def _announced(committing: Callable[[], None],
+               before_commit: BeforeCommit | None) -> BeforeCommit:
+    """The save's ``before_commit``, telling the trainer first that the
+    commit begins (:data:`COMMITTING`)."""
+    def announce(metadata: Metadata) -> None:
+        try:
+            committing()
+        except OSError:  # the trainer is gone: the commit goes on without it
+            pass
+        if before_commit is not None:
+            before_commit(metadata)
+
+    return announce
 
 
 def _closing(coord: FileCoordinator, save: _Save) -> Callable[[], None]:
@@ -435,7 +464,10 @@ class _Worker:
         self.store: Any = None  # the rendezvous store, under the saver's prefix
         self.group_ok = False  # a gloo group exists and its last save succeeded
 
-    def run(self, job: SaveJob) -> tuple[Outcome, Callable[[], None]]:
+    def run(self, job: SaveJob,
+            committing: Callable[[], None]) -> tuple[Outcome, Callable[[], None]]:
+        """Run ``job``; ``committing()`` is called right before this
+        (coordinator) worker commits, when it waits for no peer any more."""
         start = time.perf_counter()
         if job.layout is not None:
             self.layout = job.layout
@@ -463,7 +495,8 @@ class _Worker:
             else:
                 coord = self._coordinator(job, storage)
                 joined = True
-                save = _Save(describe, storage, planner, coord, job.overwrite, job.before_commit)
+                save = _Save(describe, storage, planner, coord, job.overwrite,
+                             _announced(committing, job.before_commit))
                 if isinstance(coord, FileCoordinator):
                     cleanup = coord.close
                     failed = _closing(coord, save)
