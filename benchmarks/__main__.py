@@ -59,6 +59,11 @@ def _run_async(config: RunConfig, out: Path) -> list[dict]:
                           quick=config.quick, scratch=config.scratch)
 
 
+def _run_async_resume(config: RunConfig, out: Path) -> list[dict]:
+    return async_save.run_resume(out, world_sizes=config.world_sizes, quick=config.quick,
+                                 scratch=config.scratch)
+
+
 def _run_storage(config: RunConfig, out: Path) -> list[dict]:
     return storage.run(out, repeat=config.repeat, quick=config.quick, scratch=config.scratch)
 
@@ -78,16 +83,20 @@ def _run_coordination(config: RunConfig, out: Path) -> list[dict]:
 
 
 #: Families with tables of their own, one scenario each: name ->
-#: (description, module with markdown(rows), runner(config, out_dir) -> rows).
+#: (description, markdown(rows) -> table, runner(config, out_dir) -> rows).
 TABLES = {
     "async_save": ("async save stall, total and training loop time lost, vs torch DCP's "
-                   "THREAD and PROCESS modes", async_save, _run_async),
-    "storage": ("S3 (moto) vs raw s3fs; memory://, shm://, POSIX", storage, _run_storage),
-    "convert": ("safetensors / torch DCP conversions vs cp", convert, _run_convert),
+                   "THREAD and PROCESS modes", async_save.markdown, _run_async),
+    "async_resume": ("block time of async saves 1-5 after a resume, the background process "
+                     "started cold or prestarted", async_save.markdown_resume,
+                     _run_async_resume),
+    "storage": ("S3 (moto) vs raw s3fs; memory://, shm://, POSIX", storage.markdown,
+                _run_storage),
+    "convert": ("safetensors / torch DCP conversions vs cp", convert.markdown, _run_convert),
     "scale": ("planning and metadata of a 505B-class model on 1k-16k simulated ranks",
-              scale, _run_scale),
+              scale.markdown, _run_scale),
     "coordination": ("file-flag protocol with 64-512 simulated ranks; gloo with 2-8",
-                     coordination, _run_coordination),
+                     coordination.markdown, _run_coordination),
 }
 
 
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r.family == family.FAMILY]
         if mine:
             sections[family.FAMILY] = markdown_table(mine, family.COLUMNS)
-    sections.update({name: TABLES[name][1].markdown(table)
+    sections.update({name: TABLES[name][1](table)
                      for name, table in tables.items() if table})
     families = {r.family for r in rows}
     notes = _notes(eviction, args.repeat, foreign,

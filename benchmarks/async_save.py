@@ -257,6 +257,77 @@ def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool
     return rows
 
 
+#: The resume scenario: 4 x [2048, 4096] fp32 (128 MiB) per rank, five
+#: saves, one per 1 s training step.
+RESUME_SHAPE, RESUME_SAVES, RESUME_STEP_S = (4, 2048, 4096), 5, 1.0
+RESUME_SYSTEMS = ("cold", "prestarted")
+
+
+def _resume(rank: int, world_size: int, shape, system: str, scratch: str) -> dict:
+    """One resumed job's rank: load the previous job's checkpoint (``system``
+    ``"prestarted"``: after :func:`dcp.prestart_async_worker`, as
+    :class:`dcp.CheckpointManager` does), then a training step
+    (``RESUME_STEP_S`` of host waiting for the device) before each of
+    ``RESUME_SAVES`` async saves; seconds of the resume and of each save's
+    call (its block: waiting for the save in flight, then staging)."""
+    import dcp
+
+    torch.set_num_threads(1)
+    sd = _state(rank, world_size, shape)
+    previous = str(Path(scratch) / "previous")
+    dcp.save(sd, previous)  # the previous job's checkpoint; a sync save starts no process
+    dist.barrier()
+    start = time.perf_counter()
+    if system == "prestarted":
+        dcp.prestart_async_worker()
+    dcp.load(sd, previous)
+    resume = time.perf_counter() - start
+    blocks = []
+    response = None
+    for i in range(RESUME_SAVES):
+        time.sleep(RESUME_STEP_S)
+        t = time.perf_counter()
+        response = dcp.async_save(sd, str(Path(scratch) / f"step{i + 1}"))
+        blocks.append(time.perf_counter() - t)
+    assert response is not None
+    response.result()
+    return dict(system=system, world_size=world_size, resume_s=resume, block_s=blocks)
+
+
+def run_resume(out_dir: str | Path, *, world_sizes=(2, 4), quick: bool = False,
+               scratch: str | None = None) -> list[dict]:
+    """Block time of the first saves after a resume, without and with the
+    background process prestarted: one fresh job (process group) per world
+    size and system; rows with the slowest rank's seconds, also written to
+    ``out_dir/async_resume.json`` and ``async_resume.md``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = QUICK if quick else RESUME_SHAPE
+    rows = []
+    for world_size in world_sizes:
+        for system in RESUME_SYSTEMS:
+            work = Path(tempfile.mkdtemp(prefix=f"async-resume-w{world_size}-", dir=scratch))
+            try:
+                ranks = launch(_resume, world_size, shape, system, str(work))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            rows.append(dict(ranks[0], resume_s=max(r["resume_s"] for r in ranks),
+                             block_s=[max(b) for b in zip(*(r["block_s"] for r in ranks),
+                                                          strict=True)]))
+    write_table(out_dir, "async_resume", rows, markdown_resume(rows))
+    return rows
+
+
+def markdown_resume(rows: list[dict]) -> str:
+    """The resume rows as a Markdown table."""
+    columns: list[Column] = [("W", lambda r: str(r["world_size"])),
+                             ("worker", lambda r: r["system"]),
+                             ("resume s", lambda r: f"{r['resume_s']:.2f}")]
+    columns += [(f"save {i + 1} blocks s", lambda r, i=i: f"{r['block_s'][i]:.3f}")
+                for i in range(RESUME_SAVES)]
+    return markdown_table(rows, columns)
+
+
 def _planning(r: dict) -> str:
     return f"{r['plan1_s']:.4f} / {r['plan2_s']:.5f}" if "plan1_s" in r else ""
 
@@ -288,6 +359,12 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="tiny tensors: a harness check")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--scratch", default=None, help="where checkpoints go (default: tmp)")
+    parser.add_argument("--resume", action="store_true",
+                        help="the resume scenario: block time of saves 1-5 after a resume")
     args = parser.parse_args()
-    print(markdown(run(args.out, world_sizes=tuple(args.world_sizes), repeat=args.repeat,
-                       quick=args.quick, scratch=args.scratch)))
+    if args.resume:
+        print(markdown_resume(run_resume(args.out, world_sizes=tuple(args.world_sizes),
+                                         quick=args.quick, scratch=args.scratch)))
+    else:
+        print(markdown(run(args.out, world_sizes=tuple(args.world_sizes), repeat=args.repeat,
+                           quick=args.quick, scratch=args.scratch)))

@@ -23,6 +23,7 @@ from dcp.asynchronous.async_save import (
     AsyncSaveTimeout,
     async_save,
     async_save_counters,
+    prestart_async_worker,
 )
 from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
 from dcp.core.mindspore_layout import mindspore_shard
@@ -57,7 +58,7 @@ __all__ = [
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",
-    "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
+    "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters", "prestart_async_worker",
     "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",
     "AnyOf",
     "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN", "OnPreemption",

@@ -14,9 +14,14 @@ import json
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +37,7 @@ from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, make_dtensor, randn
 from storage_plugins.posix import PosixStorage
 
+HERE = Path(__file__).resolve().parent
 MODES = ("gloo", "file", "none")
 WAIT = 120  # seconds: bound on every result() of a healthy save
 
@@ -313,7 +319,7 @@ def test_background_failure_fails_every_rank_and_the_next_save_works_w2(ctx):
 @dist_scenario(world_size=2, phase=0, last=True)
 def test_killed_background_process_fails_every_rank_and_the_next_save_works_w2(ctx):
     """kill -9 of rank 1's worker mid-save: result() raises on every rank
-    (rank 0 after the coordination timeout), the previous checkpoint stays
+    (with coordination='none' on rank 1 only), the previous checkpoint stays
     loadable, the partial one is refused as incomplete, and the next
     async_save (a new worker, a new gloo group) works."""
     for i, mode in enumerate(MODES):
@@ -341,6 +347,127 @@ def test_killed_background_process_fails_every_rank_and_the_next_save_works_w2(c
                        coordination=mode).result(WAIT)
         load(sd, ctx.dir / f"{mode}-next")
         assert_state_equal(sd, state(ctx, 100 + i))
+
+
+def kill_worker() -> int:
+    """SIGKILL this rank's background save process, as the OOM killer does,
+    and wait until it is gone; returns its pid."""
+    workers = [p for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
+    assert len(workers) == 1, workers
+    os.kill(workers[0].pid, signal.SIGKILL)
+    workers[0].join(WAIT)
+    return workers[0].pid
+
+
+def worker_pids() -> list[int]:
+    return [p.pid for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
+
+
+@dist_scenario(world_size=2, phase=0, last=True)
+def test_killed_idle_worker_is_replaced_and_the_save_goes_on_w2(ctx):
+    """The OOM killer takes a rank's idle background process (the
+    coordinator's, then the other's): that rank's next async_save starts a
+    new one and the save succeeds on every rank, loading bit-exact."""
+    for i, (mode, victim) in enumerate([("gloo", 0), ("gloo", 1), ("file", 0)]):
+        first, second = ctx.dir / f"{mode}{victim}-first", ctx.dir / f"{mode}{victim}-second"
+        dcp.async_save(state(ctx, 110 + i), str(first), coordination=mode).result(WAIT)
+        if ctx.rank == victim:
+            killed = kill_worker()
+        ctx.barrier()
+        dcp.async_save(state(ctx, 120 + i), str(second), coordination=mode,
+                       timeout=60).result(WAIT)
+        if ctx.rank == victim:
+            assert killed not in worker_pids()
+        for path, seed in ((first, 110 + i), (second, 120 + i)):
+            sd = zeros_like_state(state(ctx, 0))
+            load(sd, path)
+            assert_state_equal(sd, state(ctx, seed))
+
+
+@dist_scenario(world_size=2, phase=0, last=True)
+def test_worker_killed_mid_save_fails_every_rank_within_seconds_w2(ctx):
+    """A rank's background process killed while every worker is held in
+    its writes (30 s each, timeout=60): every rank's result() raises within
+    10 s of the call, naming the rank at fault; the previous checkpoint
+    loads bit-exact, the failed one is refused as incomplete, and the next
+    save (new background processes) loads bit-exact."""
+    for i, (mode, victim) in enumerate([("gloo", 1), ("gloo", 0), ("file", 1)]):
+        previous = ctx.dir / f"{mode}{victim}-previous"
+        failed, after = ctx.dir / f"{mode}{victim}-failed", ctx.dir / f"{mode}{victim}-after"
+        dcp.async_save(state(ctx, 130 + i), str(previous), coordination=mode).result(WAIT)
+        start = time.monotonic()
+        response = dcp.async_save(state(ctx, 140 + i), str(failed), coordination=mode,
+                                  timeout=60, storage=FlakyStorage(str(failed), delay=30.0))
+        if ctx.rank == victim:
+            time.sleep(1.0)  # the save is in flight: meeting, planning or the held write
+            kill_worker()
+        with pytest.raises(dcp.CheckpointError) as ei:
+            response.result(WAIT)
+        stall = time.monotonic() - start
+        assert stall < 10, f"{mode}: rank {ctx.rank} learned of the failure after {stall:.1f} s"
+        assert f"rank {victim}" in str(ei.value), str(ei.value)
+        sd = zeros_like_state(state(ctx, 0))
+        load(sd, previous)
+        assert_state_equal(sd, state(ctx, 130 + i))
+        with pytest.raises(dcp.NotACheckpointError):
+            load(zeros_like_state(state(ctx, 0)), failed)
+        dcp.async_save(state(ctx, 150 + i), str(after), coordination=mode,
+                       timeout=60).result(WAIT)
+        load(sd, after)
+        assert_state_equal(sd, state(ctx, 150 + i))
+
+
+@dist_scenario(world_size=2, phase=0, last=True)
+def test_manager_goes_on_after_its_background_processes_die_w2(ctx):
+    """CheckpointManager(async_save=True): rank 1's idle background process
+    killed, the next step saves on every rank; rank 0's killed during a
+    held save (faulty://: every data file write waits 3 s once), the
+    failure is warned about on every rank within seconds, the loop goes on
+    (the next step saves), and load_latest gives the newest complete step,
+    bit-exact."""
+    root = f"faulty://{ctx.dir / 'run'}"
+    hold = {"methods": ["write_file"], "faults": ["timeout"], "rate": 1.0,
+            "max_consecutive": 1, "delay_s": 3.0}
+    mgr = dcp.CheckpointManager(root, interval=1, keep_latest=0, timeout=60,
+                                storage_options=hold, save_rng=False)
+    saved: dict[int, int] = {}
+
+    def save(step: int) -> None:
+        saved[step] = 160 + step
+        assert mgr.save(step, {"state": state(ctx, saved[step])})
+
+    save(1)
+    mgr.wait()
+    if ctx.rank == 1:
+        kill_worker()
+    ctx.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save(2)
+        mgr.wait()
+        assert not caught, [str(w.message) for w in caught]
+        save(3)
+        if ctx.rank == 0:
+            time.sleep(1.0)
+            kill_worker()
+        start = time.monotonic()
+        mgr.wait()
+        stall = time.monotonic() - start
+        assert stall < 10, f"rank {ctx.rank} waited {stall:.1f} s for the failed step"
+        messages = [str(w.message) for w in caught if issubclass(w.category, dcp.CheckpointWarning)]
+        assert len(messages) == 1 and "step 3" in messages[0] and "rank 0" in messages[0], messages
+        save(4)
+        mgr.wait()
+        assert len(caught) == 1, [str(w.message) for w in caught]
+    mgr.close()
+    for newest in (4, 2):
+        with dcp.CheckpointManager(ctx.dir / "run", interval=1, save_rng=False) as fresh:
+            sd = {"state": zeros_like_state(state(ctx, 0))}
+            assert fresh.load_latest(sd) == newest
+            assert_state_equal(sd["state"], state(ctx, saved[newest]))
+        if ctx.rank == 0 and newest == 4:  # step 3 failed: the newest complete is then 2
+            shutil.rmtree(ctx.dir / "run" / "step-4")
+        ctx.barrier()
 
 
 # ============================================================ W=4, phase 1
@@ -422,6 +549,108 @@ def test_interrupted_async_save_leaves_no_folder(tmp_path):
     target = {"w": torch.zeros(256, 256)}
     dcp.load(target, str(path))
     assert_bitwise_equal(target["w"], sd["w"], "w")
+
+
+def _python(script: str, *args: str, stdin: bool = False) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter (fed on standard input with
+    ``stdin``, else from a file next to it), with hyperdcp and tests/ on the
+    path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+    if stdin:
+        return subprocess.run([sys.executable, "-", *args], input=script, text=True, env=env,
+                              capture_output=True, timeout=300)
+    path = Path(args[0]) / "job.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, str(path), *args], text=True, env=env,
+                          capture_output=True, timeout=300)
+
+
+STDIN_JOB = """
+import sys, torch, dcp
+root = sys.argv[1]
+sd = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "note": "stdin"}
+dcp.async_save(sd, root + "/a").result(120)
+target = {"w": torch.zeros(64, 64), "note": None}
+dcp.load(target, root + "/a")
+assert torch.equal(target["w"], sd["w"]) and target["note"] == "stdin", target
+
+class Mine(dcp.CheckpointError):  # a class of the script itself cannot reach the worker
+    pass
+
+def before_commit(metadata):
+    raise Mine("never called")
+
+try:
+    dcp.async_save(sd, root + "/b", before_commit=before_commit).result(120)
+except dcp.CheckpointError as e:
+    assert "standard input" in str(e) and "define it in a module" in str(e), e
+else:
+    raise AssertionError("a function of a script on stdin reached the worker")
+dcp.async_save(sd, root + "/c").result(120)
+with dcp.CheckpointManager(root + "/run", interval=1) as mgr:
+    mgr.save(1, {"sd": sd})
+print("ok")
+"""
+
+
+def test_async_save_from_a_script_fed_on_stdin(tmp_path):
+    """``python - <<EOF``: the main module is ``<stdin>``, which a spawned
+    process cannot re-import; the background process starts without it, the
+    save commits and loads back exact, a function of the script passed as
+    before_commit fails the save saying why, and the next save works."""
+    done = _python(STDIN_JOB, str(tmp_path), stdin=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert dcp.read_metadata(str(tmp_path / "run" / "step-1")).tensors["sd.w"].shape == (64, 64)
+
+
+PRESTART_JOB = """
+import sys, time, torch, dcp
+from dcp.asynchronous import async_save as module
+
+def block_times(manager: bool) -> tuple[float, list[float]]:
+    sd = {"w": torch.randn(256, 1024)}
+    start = time.monotonic()
+    if manager:
+        mgr = dcp.CheckpointManager(sys.argv[1] + "/run", interval=1)
+        mgr.load_latest(sd)  # the resume: nothing there yet
+        module._savers[None].worker.wait_started(120)  # a resume as long as the start
+    started = time.monotonic() - start
+    blocks = []
+    for step in range(1, 4):
+        sd["w"].add_(1)
+        t = time.monotonic()
+        if manager:
+            mgr.save(step, sd)
+        else:
+            module.async_save(sd, f"{sys.argv[1]}/cold{step}")
+        blocks.append(time.monotonic() - t)
+    if manager:
+        mgr.close()
+    else:
+        module.pending.wait()
+    return started, blocks
+
+if __name__ == "__main__":
+    started, blocks = block_times(sys.argv[2] == "manager")
+    print(started, *blocks)
+"""
+
+
+def test_no_save_blocks_on_the_background_process_start(tmp_path):
+    """Without a prestart, the first async save starts the background
+    process and the second blocks until that save is done (the process
+    start, seconds); CheckpointManager(async_save=True) starts it at
+    construction, so after a resume at least as long as the start its
+    second save blocks for a small fraction of that."""
+    cold = _python(PRESTART_JOB, str(tmp_path), "cold")
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    cold_blocks = [float(x) for x in cold.stdout.split()[1:]]
+    warm = _python(PRESTART_JOB, str(tmp_path), "manager")
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    started, *warm_blocks = (float(x) for x in warm.stdout.split())
+    assert warm_blocks[1] < 0.25 * started, (started, warm_blocks, cold_blocks)
+    assert warm_blocks[1] < 0.25 * cold_blocks[1], (started, warm_blocks, cold_blocks)
 
 
 def test_exchange_payloads_are_json_and_never_unpickled():

@@ -73,9 +73,11 @@ def command_lines() -> list[list[str]]:
             for line in body.splitlines() if line.startswith("hyperdcp ")]
 
 
-def run(what: str, argv: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def run(what: str, argv: list[str], cwd: Path, timeout: float = 180,
+        stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_EC2_METADATA_DISABLED": "true"}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          input=stdin)
     assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -129,8 +131,9 @@ def test_quick_start_and_command_lines_run_in_one_process(tmp_path, background):
                 _codes.append(_hyperdcp(_argv))
         print("EXIT CODES", json.dumps(_codes))
         """)
-    # python -c: the spawned async-save worker has no main module to re-run
-    done = run("README.md's Python blocks", [sys.executable, "-c", script], tmp_path)
+    # fed on stdin (`python - <<EOF`): the spawned async-save worker has no
+    # main module to re-run
+    done = run("README.md's Python blocks", [sys.executable, "-"], tmp_path, stdin=script)
     codes = json.loads(done.stdout.rsplit("EXIT CODES", 1)[1])
     for argv, rc in zip(commands, codes, strict=True):
         assert rc == EXIT_CODES.get(argv[1], 0), f"README.md: `{shlex.join(argv)}` exited {rc}"

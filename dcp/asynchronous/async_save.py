@@ -38,10 +38,13 @@ save in flight to its checkpoint (:func:`dcp.orchestration.pending.wait`), and e
 checkpoint is never readable before its metadata is committed, last.
 
 Failures: if any rank's background process raises or dies, ``result()``
-raises a :class:`~dcp.CheckpointError` on every rank (a rank whose peer died
-learns it after ``timeout`` seconds), nothing is committed, a previous
-checkpoint stays loadable, and the next :func:`async_save` works (a dead
-worker is replaced, the gloo group rebuilt).  With ``coordination="none"``
+raises a :class:`~dcp.CheckpointError` on every rank within seconds (the
+rank that lost its process publishes it in the job's store:
+:mod:`dcp.asynchronous.worker`), nothing is committed, a previous checkpoint
+stays loadable, and the next :func:`async_save` works (the dead worker and
+those stopped for it are replaced at once, the gloo group rebuilt).  A
+worker killed while idle is replaced by the next :func:`async_save` before
+it sends the save, which goes on.  With ``coordination="none"``
 a rank's ``result()`` covers its own part only: the checkpoint is complete
 once every rank's ``result()`` has returned, and a failed rank leaves it
 refused as incomplete.
@@ -50,7 +53,10 @@ The worker is a spawned process, so the training script must guard its
 entry point with ``if __name__ == "__main__":``, as for any spawned process:
 a script without that block fails the first save at once, saying so, and a
 worker that re-runs the script's top-level code (which blocks in
-``init_process_group`` or trains) fails it within ``timeout``.
+``init_process_group`` or trains) fails it within ``timeout``.  A script fed
+on standard input has no file to re-run, and its worker starts without it.
+:func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
+starts the worker before the first save, so that no save waits for it.
 """
 
 from __future__ import annotations
@@ -75,7 +81,11 @@ from dcp.asynchronous.worker import (
     Outcome,
     Rendezvous,
     SaveJob,
+    WorkerDied,
     WorkerHandle,
+    WorkerStopped,
+    publish_abort,
+    read_abort,
     refuse_main_rerun,
     unguarded_main,
 )
@@ -204,19 +214,26 @@ class _Saver:
 
     def __init__(self, process_group) -> None:
         coord = Coordinator(process_group)
+        #: the job's store under this saver's prefix, where the workers meet
+        #: and a failed save is published (``None`` in a single process)
+        self.store: dist.Store | None = None
         if coord.distributed:
             self.group, self.rank, self.world_size = process_group, coord.rank, coord.world_size
             group_id = zlib.crc32(repr(coord.members).encode())
             key = f"hyperdcp/async/{group_id:08x}/{_Saver.instances}"
             store = c10d._get_default_store()
             self.token = store.compare_set(key, "", uuid.uuid4().hex[:8]).decode()
+            base = getattr(store, "_underlying_non_prefix_store", store)
+            self.store = dist.PrefixStore(self._prefix(), base)
         else:
             self.group, self.rank, self.world_size = None, 0, 1
             self.token = uuid.uuid4().hex[:8]
         _Saver.instances += 1
         self.stager = Stager()
+        self._worker_lock = threading.Lock()
         self.worker: WorkerHandle | None = None
-        self.worker_layout: Layout | None = None
+        self.worker_layout: Layout | None = None  # the buffer this worker holds
+        self.worker_fresh = False  # the worker has had no job yet: send it the plan cache
         self.plans = PlanCache()  # a copy of the worker's, for a new worker
         self.seq = 0
         self.counters = AsyncSaveCounters()
@@ -235,7 +252,40 @@ class _Saver:
             raise CheckpointError(
                 f"coordination='gloo' needs a TCP or file rendezvous store (torchrun's, or "
                 f"MASTER_ADDR/MASTER_PORT), not a {type(base).__name__}; use coordination='file'")
-        return Rendezvous(address, f"hyperdcp/async/{self.token}/")
+        return Rendezvous(address, self._prefix())
+
+    def _prefix(self) -> str:
+        return f"hyperdcp/async/{self.token}/"
+
+    def ensure_worker(self) -> WorkerHandle:
+        """This rank's worker, spawned now (it starts in the background) if
+        there is none: before the first save, after one died (the OOM
+        killer, idle or during a save) or was stopped.  Raises
+        :class:`CheckpointError` if the training script would be re-run by
+        a spawned process (no ``__main__`` guard)."""
+        with self._worker_lock:
+            if self.worker is not None and not self.worker.alive():
+                self.worker.stop(timeout=0)
+                self.worker = None
+            if self.worker is None:
+                script = unguarded_main()
+                if script is not None:  # the spawned worker would re-run the training
+                    raise CheckpointError(f"rank {self.rank}: async save: "
+                                          f"{worker_module._rerun_advice(script)}")
+                self.worker, self.worker_layout, self.worker_fresh = WorkerHandle(), None, True
+            return self.worker
+
+    def _replace_worker(self) -> None:
+        """After this rank's worker died or was stopped: start the next one
+        now, so that the next save finds it ready."""
+        with self._worker_lock:
+            if self.worker is not None:
+                self.worker.stop(timeout=0)
+                self.worker = None
+        try:
+            self.ensure_worker()
+        except CheckpointError:  # the next save reports it
+            pass
 
     def save(self, state_dict, checkpoint_id: str, options: _Options,
              finish: Callable[[], None]) -> AsyncSaveResponse:
@@ -296,34 +346,77 @@ class _Saver:
             response._outcome.set_result(outcome.metadata)
 
     def _run(self, job: SaveJob) -> Outcome:
-        """Submit ``job`` to the worker (spawning one if needed, sending the
-        staging buffer only if this worker lacks it) and wait for its outcome."""
-        if self.worker is None:
-            script = unguarded_main()
-            if script is not None:  # the spawned worker would re-run the training
-                raise CheckpointError(f"rank {self.rank}: async save of {job.checkpoint_id!r}: "
-                                      f"{worker_module._rerun_advice(script)}")
-            self.worker, self.worker_layout = WorkerHandle(), None
-            job = replace(job, plan_entries=list(self.plans.entries.values()))
-        layout = job.layout
-        if layout is self.worker_layout:
-            job = replace(job, layout=None)
+        """Run ``job`` in the worker and return its outcome.  A failure
+        that keeps this rank out of the save (no worker would start, the
+        worker died, or did not read the job) is published to the other
+        ranks (:func:`dcp.asynchronous.worker.publish_abort`), so that they
+        fail the save within seconds instead of ``timeout``; the worker is
+        replaced at once when it is gone."""
         try:
-            self.worker.wait_started(job.timeout)
+            outcome = self._submit_and_wait(job)
+        except WorkerStopped as e:  # another rank failed the save
+            self._replace_worker()
+            return Outcome(job.seq, error=CheckpointError(
+                f"rank {self.rank}: async save of {job.checkpoint_id!r} failed on another rank: "
+                f"{e}; this rank's background process was stopped (nothing interrupts a blocked "
+                f"collective) and a new one is starting for the next save"))
+        except CheckpointError as e:
+            cause = f"rank {self.rank}: {e}"
+            if isinstance(e, WorkerDied):
+                self._replace_worker()
+            self._publish_abort(job, cause)
+            return Outcome(job.seq, error=CheckpointError(
+                f"rank {self.rank}: async save of {job.checkpoint_id!r} failed: {e}; the other "
+                f"ranks are told (the save fails there too, unless it had committed), a "
+                f"previous checkpoint stays as it was"
+                + (", and a new background process is starting for the next save"
+                   if isinstance(e, WorkerDied) else "")))
+        if outcome.alone:
+            self.worker_layout = None  # it may not hold the buffer
+            message = str(outcome.error)
+            self._publish_abort(job, message if message.startswith(f"rank {self.rank}")
+                                else f"rank {self.rank}: {message}")
+        elif outcome.error is not None and self.store is not None:
+            published = read_abort(self.store, job.seq)  # a peer lost contact: say why
+            if published is not None and published not in str(outcome.error):
+                outcome.error = CheckpointError(f"{outcome.error} (the cause: {published})")
+        return replace(outcome, seq=job.seq)
+
+    def _publish_abort(self, job: SaveJob, cause: str) -> None:
+        if self.store is not None and job.coordination != "none" and self.world_size > 1:
+            publish_abort(self.store, job.seq, cause)
+
+    def _submit_and_wait(self, job: SaveJob) -> Outcome:
+        """Hand ``job`` to a live worker (a new one if the last died while
+        idle, with the plan cache's copy; the staging buffer only if the
+        worker lacks it) and wait for its outcome, watching the save's
+        abort key."""
+        for attempt in (0, 1):
+            worker = self.ensure_worker()
+            sent = job
+            if self.worker_fresh:
+                sent = replace(sent, plan_entries=list(self.plans.entries.values()))
+            if sent.layout is self.worker_layout:
+                sent = replace(sent, layout=None)
+            worker.wait_started(job.timeout)
             try:
-                self.worker.submit(job)
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                # the storage or planner does not pickle: the save fails on every rank
-                job = replace(job, storage=None, planner=None, before_commit=None,
-                              error=_as_error(e, self.rank, "sending the save to its worker"))
-                self.worker.submit(job)
-            self.worker_layout = layout
-            return self.worker.wait()
-        except CheckpointError as e:  # the worker died
-            self.worker.stop(timeout=0)
-            self.worker = None
-            raise CheckpointError(
-                f"rank {self.rank}: async save of {job.checkpoint_id!r}: {e}") from e
+                try:
+                    worker.submit(sent)
+                except (pickle.PicklingError, TypeError, AttributeError) as e:
+                    # the storage or planner does not pickle: the save fails on every rank
+                    sent = replace(sent, storage=None, planner=None, before_commit=None,
+                                   error=_as_error(e, self.rank, "sending the save to its worker"))
+                    worker.submit(sent)
+            except WorkerDied:
+                if attempt:
+                    raise
+                continue  # it died (idle) since the look: once more with a new one
+            self.worker_layout, self.worker_fresh = job.layout, False
+            break
+        store = self.store
+        watch = (lambda: read_abort(store, job.seq)) if store is not None and \
+            job.coordination != "none" and self.world_size > 1 else (lambda: None)
+        return worker.wait(watch)
 
     def stop(self) -> None:
         """Stop the worker (after its current job)."""
@@ -416,6 +509,24 @@ def async_save_counters(process_group=None) -> AsyncSaveCounters:
     with _lock:
         saver = _savers.get(process_group)
     return saver.counters if saver is not None else AsyncSaveCounters()
+
+
+def prestart_async_worker(process_group=None) -> None:
+    """Start this rank's background save process for ``process_group``'s
+    async saves now, and return at once: it starts (spawn, ``import
+    torch``: seconds) while the caller resumes and trains, so that no
+    :func:`async_save` waits for it.  Without it, the first save starts the
+    process and a second save soon after blocks until the first is done.
+    :class:`dcp.CheckpointManager` calls it when made with
+    ``async_save=True``.  Call it on every rank of the group (it makes the
+    group's saver, in the order the ranks' first async saves would); a
+    second call does nothing while the process lives.
+
+    Raises:
+        CheckpointError: the training script has no ``if __name__ ==
+            "__main__":`` block, so a spawned process would re-run it.
+    """
+    _saver_for(process_group).ensure_worker()
 
 
 @atexit.register

@@ -14,9 +14,28 @@ own thread and GIL, coordinating through the job's channel — its own gloo
 group (``"gloo"``), exchange files on the checkpoint's storage (``"file"``),
 or nothing (``"none"``) — with the :class:`~dcp.coordination.plan_cache.PlanCache` it
 keeps across saves (the trainer keeps a copy for a replacement worker), and
-answers one :class:`Outcome`.  If the worker dies
-the trainer sees it at once (:meth:`WorkerHandle.wait` watches the process
-sentinel), and the next save spawns a new one.
+answers one :class:`Outcome`.
+
+Liveness.  The trainer watches its worker's process sentinel
+(:meth:`WorkerHandle.wait`), so it knows at once when its worker dies: one
+killed while idle (the OOM killer) is replaced before the next save is
+sent, and the save goes on; one that dies during a save fails that save.
+A worker cannot tell that a peer's worker is gone: the peer may be one it
+waits for in the meeting, or one that some other rank waits for in a gloo
+collective (a gather's ranks that are not the dead one's direct peers wait
+until ``timeout``).  So the trainer that lost its worker (or whose rank
+cannot take part in the save at all: no worker would start) publishes the
+failure under the save's key ``save<seq>/abort`` of the job's store, the
+first failure winning (:func:`publish_abort`); a worker waiting in the
+meeting wakes and fails the save at once, and every other trainer, which
+checks that key once per :data:`ABORT_POLL_S` while its worker is busy,
+gives its worker :data:`ABORT_GRACE_S` to fail the save by itself and then
+kills it (nothing interrupts a blocked gloo call), failing the save on that
+rank too, naming the rank at fault; a coordinator's worker that has begun
+its commit (it says so, :data:`COMMITTING`) waits for no peer and is never
+stopped.  Every rank then starts a new worker at
+once, in the background, for the next save.  The cost of the watch is one
+store ``check`` per rank per :data:`ABORT_POLL_S` while a save is in flight.
 
 The gloo group is built from the job's rendezvous store (torchrun's store, or
 whatever store the trainer's default group was initialized with) under a
@@ -39,12 +58,15 @@ back 0.4 s, 0.99×).  A staging failure is reported there, before any write.
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, cast
@@ -64,6 +86,18 @@ from dcp.core.storage import StoragePlugin, open_storage
 from dcp.errors import CheckpointError
 from dcp.orchestration.gc_pause import gc_paused
 from dcp.orchestration.save import BeforeCommit, SaveState, _Save
+
+#: Seconds between two looks of a trainer at the save's abort key while its
+#: worker is busy (:meth:`WorkerHandle.wait`).
+ABORT_POLL_S = 1.0
+#: Seconds a worker gets to fail an aborted save by itself (it was waiting
+#: in the meeting, or its collective failed) before its trainer kills it.
+ABORT_GRACE_S = 1.0
+
+#: What a coordinator's worker tells its trainer before it commits: from
+#: then on it waits for no peer, and a failure elsewhere never stops it
+#: (the commit of a save whose every write is in stands).
+COMMITTING = "committing"
 
 #: The exit code of a worker that found itself re-running the training
 #: script's unguarded code (:func:`refuse_main_rerun`).
@@ -129,6 +163,16 @@ class Outcome:
     persist_s: float = 0.0
     exchanged: bool = False
     plan_entry: CacheEntry | None = None
+    alone: bool = False  # failed before taking part in the save's coordination
+
+
+class WorkerDied(CheckpointError):
+    """The worker process died (or closed its connection) during a save."""
+
+
+class WorkerStopped(CheckpointError):
+    """The trainer killed its worker: the save failed on another rank (the
+    message says where) and the worker had not given up by itself."""
 
 
 def unguarded_main() -> str | None:
@@ -190,9 +234,14 @@ class WorkerHandle:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_main, args=(child,), name=WORKER_NAME, daemon=True)
-        self.process.start()
+        with _main_module_importable():
+            self.process.start()
         child.close()
         self.started = False
+
+    def alive(self) -> bool:
+        """Whether the process is running."""
+        return self.process.is_alive()
 
     def wait_started(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for the worker to be ready (to
@@ -231,43 +280,130 @@ class WorkerHandle:
 
     def submit(self, job: SaveJob) -> None:
         """Send ``job`` (a small message, plus the buffer's descriptor when
-        ``job.layout`` is set).  Raises :class:`CheckpointError` if the
-        worker is gone."""
+        ``job.layout`` is set).  Raises :class:`WorkerDied` if the worker
+        is gone."""
         try:
             self._conn.send(job)
         except OSError as e:
-            raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) is "
-                                  f"gone: {e}") from e
+            raise WorkerDied(f"the async-save worker process (pid {self.process.pid}) is "
+                             f"gone: {e}") from e
 
-    def wait(self) -> Outcome:
-        """The outcome of the job submitted last.  Raises
-        :class:`CheckpointError` as soon as the worker process dies."""
-        wait_ready([self._conn, self.process.sentinel])
-        try:
-            if self._conn.poll():
-                return self._conn.recv()
-        except (EOFError, OSError):
-            pass
-        self.process.join(5)
-        raise CheckpointError(
-            f"the async-save worker process (pid {self.process.pid}) died (exit code "
-            f"{self.process.exitcode}); this save was not committed")
+    def wait(self, aborted: Callable[[], str | None] = lambda: None) -> Outcome:
+        """The outcome of the job submitted last.
+
+        Raises:
+            WorkerDied: as soon as the worker process dies.
+            WorkerStopped: ``aborted()`` (called once per
+                :data:`ABORT_POLL_S` while the worker is busy) returned a
+                reason, and the worker had not answered
+                :data:`ABORT_GRACE_S` later: it is killed.
+        """
+        watched: list[Any] = [self._conn, self.process.sentinel]
+        committing = False
+        while True:
+            if not wait_ready(watched, ABORT_POLL_S):
+                reason = None if committing else aborted()
+                if reason is not None and not wait_ready(watched, ABORT_GRACE_S):
+                    self.process.kill()
+                    self.process.join(5)
+                    raise WorkerStopped(reason)
+                continue
+            try:
+                if self._conn.poll():
+                    message = self._conn.recv()
+                    if message == COMMITTING:
+                        committing = True
+                        continue
+                    return message
+            except (EOFError, OSError):
+                pass
+            self.process.join(5)
+            raise WorkerDied(
+                f"the async-save worker process (pid {self.process.pid}) died during the save "
+                f"({_exit_status(self.process.exitcode)})")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit after its current job; kill it after
-        ``timeout`` seconds."""
+        ``timeout`` seconds, or at once if it never had a job (prestarted,
+        or still starting)."""
         try:
             self._conn.send(None)
         except OSError:
             pass
-        self.process.join(timeout)
+        self.process.join(timeout if self.started else 0)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         self._conn.close()
 
 
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        hint = ", as the kernel's OOM killer sends" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _main_module_importable() -> Iterator[None]:
+    """Start a spawned process whatever ran the main module.
+
+    Spawning re-runs the parent's main module in the child, by name or by
+    the path in its ``__file__``; a script fed on standard input
+    (``python - <<EOF``) has ``__file__ == "<stdin>"``, no file, and the
+    child dies in ``runpy`` before it runs anything (`multiprocessing
+    <https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods>`_
+    re-imports only what exists).  For such a main module the start hides
+    ``__file__``, as for ``python -c``, so the child skips it; nothing it
+    defines is then known to the worker (a class of the script's own does
+    not reach it, and the save fails naming it).  Held under a lock, for the
+    start only."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    hide = (main is not None and getattr(main, "__spec__", None) is None
+            and isinstance(path, str) and not os.path.isfile(path))
+    if not hide:
+        yield
+        return
+    with _start_lock:
+        del main.__file__  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            main.__file__ = path  # type: ignore[union-attr]
+
+
+_start_lock = threading.Lock()
+
+
+def publish_abort(store: Any, seq: int, reason: str) -> None:
+    """Publish that save ``seq`` failed on this rank (``reason`` names it)
+    under ``store`` (the saver's prefix of the job's store), unless another
+    rank's failure came first, and release the save's meeting, so that
+    every rank's worker or trainer fails the save within seconds (module
+    doc).  Best effort: a store that cannot be reached leaves the others to
+    their ``timeout``."""
+    try:
+        store.compare_set(f"save{seq}/abort", "", reason)
+        store.set(f"save{seq}/go", "1")
+    except Exception:  # the store is gone too: nothing more to tell
+        pass
+
+
+def read_abort(store: Any, seq: int) -> str | None:
+    """The failure published for save ``seq`` (:func:`publish_abort`), or
+    ``None``."""
+    key = f"save{seq}/abort"
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # a store that cannot be reached says nothing
+        return None
+
+
 def _main(conn) -> None:
+    # lower only once started: at nice 10, `import torch` on a busy machine
+    # takes many times longer, and the first save waits for it
     torch.set_num_threads(1)
     os.nice(NICENESS)
     conn.send("ready")
@@ -277,12 +413,34 @@ def _main(conn) -> None:
             job = conn.recv()
         except EOFError:  # the trainer is gone
             return
+        except Exception as e:  # a job that does not unpickle here
+            conn.send(Outcome(-1, error=CheckpointError(
+                f"the async-save worker could not read the save it was sent "
+                f"({type(e).__name__}: {e}); its storage, planner and before_commit must be "
+                f"importable there: a class or function of a script fed on standard input "
+                f"or typed at a prompt is not; define it in a module"), alone=True))
+            continue
         if job is None:
             return
         with gc_paused():
-            outcome, cleanup = worker.run(job)
+            outcome, cleanup = worker.run(job, lambda: conn.send(COMMITTING))
         conn.send(outcome)
         cleanup()
+
+
+def _announced(committing: Callable[[], None],
+               before_commit: BeforeCommit | None) -> BeforeCommit:
+    """The save's ``before_commit``, telling the trainer first that the
+    commit begins (:data:`COMMITTING`)."""
+    def announce(metadata: Metadata) -> None:
+        try:
+            committing()
+        except OSError:  # the trainer is gone: the commit goes on without it
+            pass
+        if before_commit is not None:
+            before_commit(metadata)
+
+    return announce
 
 
 def _closing(coord: FileCoordinator, save: _Save) -> Callable[[], None]:
@@ -306,7 +464,10 @@ class _Worker:
         self.store: Any = None  # the rendezvous store, under the saver's prefix
         self.group_ok = False  # a gloo group exists and its last save succeeded
 
-    def run(self, job: SaveJob) -> tuple[Outcome, Callable[[], None]]:
+    def run(self, job: SaveJob,
+            committing: Callable[[], None]) -> tuple[Outcome, Callable[[], None]]:
+        """Run ``job``; ``committing()`` is called right before this
+        (coordinator) worker commits, when it waits for no peer any more."""
         start = time.perf_counter()
         if job.layout is not None:
             self.layout = job.layout
@@ -314,6 +475,7 @@ class _Worker:
             self.cache.add(entry)
         cleanup: Callable[[], None] = lambda: None  # noqa: E731
         failed = cleanup  # the cleanup after a failure
+        joined = False  # whether this rank took part in the save's coordination
         try:
             storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
             planner = (job.planner if job.planner is not None
@@ -332,7 +494,9 @@ class _Worker:
                 outcome = Outcome(job.seq, metadata)
             else:
                 coord = self._coordinator(job, storage)
-                save = _Save(describe, storage, planner, coord, job.overwrite, job.before_commit)
+                joined = True
+                save = _Save(describe, storage, planner, coord, job.overwrite,
+                             _announced(committing, job.before_commit))
                 if isinstance(coord, FileCoordinator):
                     cleanup = coord.close
                     failed = _closing(coord, save)
@@ -348,7 +512,8 @@ class _Worker:
             if not isinstance(e, CheckpointError):
                 e = CheckpointError(f"rank {job.rank}: async save of {job.checkpoint_id!r} failed: "
                                     f"{type(e).__name__}: {e}")
-            outcome = Outcome(job.seq, error=e)
+            outcome = Outcome(job.seq, error=e,
+                              alone=not joined and job.coordination != "none")
             cleanup = failed
         outcome.persist_s = time.perf_counter() - start
         return outcome, cleanup
@@ -384,7 +549,7 @@ class _Worker:
         if self.store.add(f"{meet}/arrived", 1) == world_size:
             self.store.set(f"{meet}/go", "1")
             if job.seq:  # everyone is past the previous meeting
-                for key in ("rebuild", "arrived", "go"):
+                for key in ("rebuild", "arrived", "go", "abort"):
                     self.store.delete_key(f"save{job.seq - 1}/{key}")
         # a peer whose worker died mid-save fails this one within the
         # coordination timeout, which also covers starting the peers' workers
@@ -398,6 +563,10 @@ class _Worker:
                 f"rank {rank}: not every rank's background process arrived for save "
                 f"{job.seq} of this job within timeout={job.timeout:g} s (did every rank call "
                 f"dcp.async_save?{starting}) ({type(e).__name__}: {e})") from e
+        reason = read_abort(self.store, job.seq)
+        if reason is not None:  # released by a rank that cannot take part
+            raise CheckpointError(f"rank {rank}: async save of {job.checkpoint_id!r} failed on "
+                                  f"another rank: {reason}")
         if not self.store.add(f"{meet}/rebuild", 0):
             return
         if dist.is_initialized():

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcp.asynchronous.async_save import AsyncSaveResponse, async_save
+from dcp.asynchronous.async_save import AsyncSaveResponse, async_save, prestart_async_worker
 from dcp.coordination.collectives import coordination_group
 from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
@@ -114,7 +114,9 @@ class CheckpointManager:
         keep_latest: keep the newest N complete steps (``0``: keep all); at
             least 2 with async saves.
         keep_every: also keep steps that are multiples of this.
-        async_save: save with :func:`dcp.async_save` (one save in flight).
+        async_save: save with :func:`dcp.async_save` (one save in flight);
+            the background save process is started at construction
+            (:func:`dcp.prestart_async_worker`), so no save waits for it.
         storage_options, coordination, process_group: as for
             :func:`dcp.async_save` (``coordination`` ``"gloo"`` or ``"file"``).
         save_on_preemption: on SIGTERM to any rank, every rank saves the
@@ -218,6 +220,11 @@ class CheckpointManager:
         self.errors: list[CheckpointError] = []
         self._warned = 0
         self._closed = False
+        if async_save:  # the background save process starts while the job resumes
+            try:
+                prestart_async_worker(process_group)
+            except CheckpointError:  # no `__main__` guard: the first save raises it
+                pass
 
     # ------------------------------------------------------------- queries
     def step_uri(self, step: int) -> str:
