@@ -1046,7 +1046,8 @@ def _write(path: Path | None, result: dict) -> None:
 
 
 def run(storages: list[str], cycles: int, seed: int, timeout: float, out: Path | None,
-        scratch: Path, cache: Path, verbose: bool = True, quick: bool = False) -> list[dict]:
+        scratch: Path, cache: Path, verbose: bool = True, quick: bool = False,
+        note: str = "") -> list[dict]:
     """``cycles`` cycles on each storage; their results (one per storage).
     Cycle ``i`` of the run (counted over the storages, in turn) draws
     :func:`draw_plan(seed, i)`, so a few cycles over several storages cover
@@ -1068,7 +1069,8 @@ def run(storages: list[str], cycles: int, seed: int, timeout: float, out: Path |
             if kind == "s3":
                 in_child(storage.make_bucket)
             soak = Soak(storage, timeout, cache)
-            result = {"storage": kind, "seed": seed, "timeout": timeout,
+            result = {"storage": kind, "seed": seed, "timeout": timeout, "quick": quick,
+                      "note": note,
                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "torch": torch.__version__, "cycles": []}
             path = None if out is None else (out if len(storages) == 1 else
@@ -1108,6 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=Path(tempfile.gettempdir()) / "hyperdcp-soak-references")
     p.add_argument("--report", type=Path, nargs="+", metavar="FILE",
                    help="print the Markdown table of these results files, run nothing")
+    p.add_argument("--note", default="", help="a note kept in the results (the commit run)")
     p.add_argument("--quick", action="store_true",
                    help="CI's cycles: job A on 2 ranks, job B's saves synchronous")
     p.add_argument("-q", "--quiet", action="store_true")
@@ -1119,7 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{res['storage']}: {json.dumps(summarize(res['cycles']))}")
         return 0
     results = run(a.storage, a.cycles, a.seed, a.timeout, a.out, a.scratch, a.cache,
-                  verbose=not a.quiet, quick=a.quick)
+                  verbose=not a.quiet, quick=a.quick, note=a.note)
     print(markdown(results))
     return 0 if not any(r["failures"] or r["hangs"] for res in results
                         for r in res["cycles"]) else 1
