@@ -506,25 +506,31 @@ class _Logs:
 
     def __init__(self, folder: Path, world: int) -> None:
         self.paths = [folder / f"rank{r}.jsonl" for r in range(world)]
-        self.offsets = [0] * world
+        self.files: list[Any] = [None] * world
+        self.partial = [b""] * world
         self.events: list[list[dict]] = [[] for _ in range(world)]
 
     def poll(self) -> list[tuple[int, dict]]:
         new = []
         for r, path in enumerate(self.paths):
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.offsets[r])
-                    data = f.read()
-            except FileNotFoundError:
-                continue
+            if self.files[r] is None:
+                try:
+                    self.files[r] = open(path, "rb")  # noqa: SIM115  # closed by close()
+                except FileNotFoundError:
+                    continue
+            data = self.partial[r] + self.files[r].read()
             end = data.rfind(b"\n") + 1
-            self.offsets[r] += end
+            self.partial[r] = data[end:]
             for line in data[:end].splitlines():
                 event = json.loads(line)
                 self.events[r].append(event)
                 new.append((r, event))
         return new
+
+    def close(self) -> None:
+        for f in self.files:
+            if f is not None:
+                f.close()
 
 
 def run_job(spec: dict, limit_s: float, inject: dict | None = None,
@@ -574,7 +580,7 @@ def run_job(spec: dict, limit_s: float, inject: dict | None = None,
                 if i not in codes:
                     codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             break
-        time.sleep(0.002)
+        time.sleep(0.003)
     result["ranks_s"] = time.monotonic() - start
     deadline = time.monotonic() + orphan_limit_s
     left = _processes_in_group(pgid)
@@ -591,6 +597,7 @@ def run_job(spec: dict, limit_s: float, inject: dict | None = None,
     os.kill(store_pid, signal.SIGKILL)
     os.waitpid(store_pid, 0)
     logs.poll()
+    logs.close()
     result["events"] = logs.events
     result["codes"] = [codes[i] for i in range(world)]
     return result
@@ -1095,6 +1102,25 @@ def run(storages: list[str], cycles: int, seed: int, timeout: float, out: Path |
     return results
 
 
+def _preload() -> None:
+    """Import once, before any fork, what every rank and check imports (about
+    a CPU second per process otherwise); none of it starts a thread."""
+    import numpy  # noqa: F401
+    import psutil  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    import dcp.manager  # noqa: F401
+    import dcp.tools.cli  # noqa: F401
+    import storage_plugins.faulty  # noqa: F401
+    import storage_plugins.posix  # noqa: F401
+    import storage_plugins.s3  # noqa: F401
+    import storage_plugins.shm  # noqa: F401
+    from dcp.core.storage import installed_schemes
+
+    installed_schemes()  # the entry points, scanned once
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1121,6 +1147,7 @@ def main(argv: list[str] | None = None) -> int:
         for res in results:
             print(f"\n{res['storage']}: {json.dumps(summarize(res['cycles']))}")
         return 0
+    _preload()
     results = run(a.storage, a.cycles, a.seed, a.timeout, a.out, a.scratch, a.cache,
                   verbose=not a.quiet, quick=a.quick, note=a.note)
     print(markdown(results))
