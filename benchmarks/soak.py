@@ -317,7 +317,7 @@ def _rank_main(spec: dict, rank: int, port: int) -> None:
 
     emit(ev="start", pid=os.getpid())
     try:
-        timeout = datetime.timedelta(seconds=spec["timeout"])
+        timeout = datetime.timedelta(seconds=spec["pg_timeout"])
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timeout)
@@ -347,7 +347,7 @@ def _managed(spec: dict, rank: int, model, optim, loader: dict,
 
     import dcp
 
-    mgr = _manager(spec, spec.get("faulty"), spec.get("async", True))
+    mgr = _manager(spec, spec.get("faulty"), spec.get("asynchronous", True))
     state = {"app": _AppState(model, optim),
              "loader": dcp.PerRank(loader, on_resize=dcp.SumOf("samples"))}
     start = time.monotonic()
@@ -766,8 +766,7 @@ class Soak:
             self.refs[key] = json.loads(path.read_text())
             return self.refs[key]
         folder = Path(tempfile.mkdtemp(prefix="ref-", dir=self.storage.scratch))
-        spec = {"role": "ref", "world": world, "layout": layout, "mseed": mseed,
-                "last": REF_STEPS, "dir": str(folder), "timeout": self.timeout}
+        spec = self._spec("ref", world, layout, mseed, REF_STEPS, folder)
         job = run_job(spec, self.limit_s)
         if job["hang"] or any(job["codes"]):
             raise RuntimeError(f"reference {key} failed: {job['hang']} {job['codes']}; "
@@ -782,6 +781,16 @@ class Soak:
         self.refs[key] = ref
         return ref
 
+    def _spec(self, role: str, world: int, layout: str, mseed: int, last: int, folder: Path,
+              **extra: Any) -> dict[str, Any]:
+        """What a job's ranks do: train steps up to ``last`` (``ref``: no
+        manager; ``a``, ``b``: through one on ``extra["root"]``).  Their own
+        collectives wait up to the job's limit: only the manager's waits are
+        bounded by the timeout."""
+        return {"role": role, "world": world, "layout": layout, "mseed": mseed, "last": last,
+                "dir": str(folder), "timeout": self.timeout, "pg_timeout": self.limit_s,
+                **extra}
+
     def cycle(self, plan: dict, label: int) -> dict:
         """Run and check one cycle; its record (``failures`` empty if it passed)."""
         t0 = time.monotonic()
@@ -792,10 +801,8 @@ class Soak:
         failures: list[str] = []
         rec: dict[str, Any] = {"cycle": label, "storage": storage.kind, "plan": plan,
                                "failures": failures, "hangs": []}
-        spec_a: dict[str, Any] = {
-            "role": "a", "world": plan["world_a"], "layout": plan["layout_a"],
-            "mseed": plan["mseed"], "last": STEPS, "dir": str(folder / "a"), "root": root,
-            "options": storage.options, "timeout": self.timeout}
+        spec_a = self._spec("a", plan["world_a"], plan["layout_a"], plan["mseed"], STEPS,
+                            folder / "a", root=root, options=storage.options)
         inject = None
         if kind == "storage_transient":
             spec_a["faulty"] = {"faults": storage_faults(storage.kind, plan),
@@ -830,11 +837,9 @@ class Soak:
             if left:
                 failures.append(f"failed saves left files: {left}")
 
-        spec_b: dict[str, Any] = {
-            "role": "b", "world": plan["world_b"], "layout": plan["layout_b"],
-            "mseed": plan["mseed"], "last": newest + AFTER, "dir": str(folder / "b"),
-            "root": root, "options": storage.options, "timeout": self.timeout,
-            "async": plan["b_async"]}
+        spec_b = self._spec("b", plan["world_b"], plan["layout_b"], plan["mseed"],
+                            newest + AFTER, folder / "b", root=root, options=storage.options,
+                            asynchronous=plan["b_async"])
         resized = plan["world_b"] != plan["world_a"]
         if newest and resized:
             spec_b["derive_from"] = [ref_a[str(newest)][r]["rng"] for r in range(plan["world_a"])]
@@ -1016,6 +1021,9 @@ def summarize(records: list[dict], timeout: float | None = None) -> dict:
                                or any(f.startswith("lost") for f in r["failures"])),
         "hangs": sum(hangs.values()), "hangs_by_fault": dict(sorted(hangs.items())),
         "failed_cycles": sum(1 for r in records if r["failures"]),
+        # a loaded machine: a background save process not started within the timeout
+        "worker_start_over_timeout": sum(1 for r in records if any(
+            "did not start within timeout" in f for f in r["failures"])),
         "cycle_s_mean": round(sum(r["cycle_s"] for r in records) / max(len(records), 1), 2),
         "cycle_s_max": max((r["cycle_s"] for r in records), default=0.0),
     }
@@ -1033,12 +1041,14 @@ def markdown(results: list[dict]) -> str:
                     != (r["plan"]["world_b"], r["plan"]["layout_b"]))
         f = s["faults"]
         faults = " / ".join(str(f.get(k, 0)) for k in FAULTS)
-        other = s["failed_cycles"] - s["wrong_resumes"] - s["lost_or_corrupt"]
+        other = max(s["failed_cycles"] - s["wrong_resumes"] - s["lost_or_corrupt"], 0)
+        slow = s["worker_start_over_timeout"]
+        other_text = f"{other}" + (f" ({slow}: a worker start over the timeout)" if slow else "")
         by_fault = ", ".join(f"{k} {v}" for k, v in s["hangs_by_fault"].items())
         hangs = f"{s['hangs']} ({by_fault})" if s["hangs"] else "0"
         rows.append(f"| {res['storage']} | {s['cycles']} | {faults} | {moved} | "
                     f"{s['max_steps_lost']} | {s['wrong_resumes']} | {s['lost_or_corrupt']} | "
-                    f"{hangs} | {max(other, 0)} | {s['cycle_s_mean']} / {s['cycle_s_max']} |")
+                    f"{hangs} | {other_text} | {s['cycle_s_mean']} / {s['cycle_s_max']} |")
     return "\n".join(rows)
 
 

@@ -47,8 +47,8 @@ def test_soak_short(tmp_path: Path) -> None:
         "AWS_EC2_METADATA_DISABLED": "true"}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.soak", "--storage", *STORAGES, "--cycles", "2",
-         "--seed", str(SEED), "--quick", "--out", str(out), "--scratch", str(tmp_path),
-         "--cache", str(tmp_path / "references")],
+         "--seed", str(SEED), "--quick", "--timeout", "60", "--out", str(out),
+         "--scratch", str(tmp_path), "--cache", str(tmp_path / "references")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     records = []
     for storage in STORAGES:
