@@ -370,7 +370,10 @@ def _managed(spec: dict, rank: int, model, optim, loader: dict,
     saved: list[int] = []
     for step in range(resumed + 1, spec["last"] + 1):
         if step == spec.get("faulty_from"):  # the storage starts failing
-            mgr.close()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.close()
+            emit(ev="closed", saved_steps=saved, errors=[str(e) for e in mgr.errors])
             mgr = _manager(spec, spec["persistent"])
         emit(ev="step", step=step)
         _train_step(model, optim, loader, spec["layout"], spec["world"])
@@ -932,11 +935,13 @@ class Soak:
         by the next save or close) must not be newer than the newest
         complete step: else the step was lost."""
         events = job["events"][0]
-        known: set[int] = set()
+        settled: set[int] = set()
+        failed: set[int] = set()
         for e in events:
-            if e["ev"] in ("save", "done"):  # a save waits for the one before
-                settled = e["saved_steps"] if e["ev"] == "done" else e["saved_steps"][:-1]
-                known |= set(settled) - _failed_steps(e["errors"])
+            if e["ev"] in ("save", "closed", "done"):  # a save waits for the one before
+                settled |= set(e["saved_steps"] if e["ev"] != "save" else e["saved_steps"][:-1])
+                failed |= _failed_steps(e["errors"])
+        known = settled - failed
         preempted = [e["step"] for e in events if e["ev"] == "preempted"]
         known |= set(preempted)
         lost = sorted(s for s in known if s > newest)
@@ -1064,14 +1069,15 @@ def _write(path: Path | None, result: dict) -> None:
 
 def run(storages: list[str], cycles: int, seed: int, timeout: float, out: Path | None,
         scratch: Path, cache: Path, verbose: bool = True, quick: bool = False,
-        note: str = "") -> list[dict]:
+        note: str = "", start: int = 0) -> list[dict]:
     """``cycles`` cycles on each storage; their results (one per storage).
     Cycle ``i`` of the run (counted over the storages, in turn) draws
     :func:`draw_plan(seed, i)`, so a few cycles over several storages cover
-    every fault kind."""
+    every fault kind; ``start`` skips the first cycles (to rerun cycle
+    ``start`` of a run alone)."""
     cache.mkdir(parents=True, exist_ok=True)
     results = []
-    index = 0
+    index = start
     with contextlib.ExitStack() as stack:
         endpoint = None
         if "s3" in storages:
@@ -1137,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage", nargs="+", choices=STORAGES, default=["posix"])
     p.add_argument("--cycles", type=int, default=10, help="cycles per storage")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start", type=int, default=0, metavar="I",
+                   help="begin at cycle I of the seed's sequence (rerun a failed cycle)")
     p.add_argument("--timeout", type=float, default=20.0,
                    help="the manager's timeout, seconds (a hang is detected after it)")
     p.add_argument("--out", type=Path, help="results JSON (one per storage: -<storage> added "
@@ -1159,7 +1167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _preload()
     results = run(a.storage, a.cycles, a.seed, a.timeout, a.out, a.scratch, a.cache,
-                  verbose=not a.quiet, quick=a.quick, note=a.note)
+                  verbose=not a.quiet, quick=a.quick, note=a.note,
+                  start=a.start)
     print(markdown(results))
     return 0 if not any(r["failures"] or r["hangs"] for res in results
                         for r in res["cycles"]) else 1
