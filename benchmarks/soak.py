@@ -796,7 +796,7 @@ class Soak:
 
     def cycle(self, plan: dict, label: int) -> dict:
         """Run and check one cycle; its record (``failures`` empty if it passed)."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), os.times()
         storage, kind = self.storage, plan["fault"]
         root = storage.root(label)
         folder = storage.scratch / f"cycle-{label}"
@@ -874,6 +874,9 @@ class Soak:
             in_child(storage.remove, root)
             shutil.rmtree(folder, ignore_errors=True)
         rec["cycle_s"] = round(time.monotonic() - t0, 3)
+        cpu = os.times()  # the ranks' and checks' (and the background processes of ranks
+        # that exited normally, which reaped them)
+        rec["cpu_s"] = round(sum(cpu[:4]) - sum(cpu0[:4]), 2)
         return rec
 
     # ------------------------------------------------------------ checks
@@ -1031,6 +1034,8 @@ def summarize(records: list[dict], timeout: float | None = None) -> dict:
             "did not start within timeout" in f for f in r["failures"])),
         "cycle_s_mean": round(sum(r["cycle_s"] for r in records) / max(len(records), 1), 2),
         "cycle_s_max": max((r["cycle_s"] for r in records), default=0.0),
+        "cpu_s_mean": round(sum(r.get("cpu_s", 0.0) for r in records)
+                            / max(len(records), 1), 2),
     }
 
 
