@@ -18,7 +18,8 @@ job, sometimes at another world size or layout, resumes with
   processes (one process group, as torchrun's);
 * ``kill_trainers``: SIGKILL of every trainer; their background processes
   live on (and may commit the step in flight);
-* ``kill_worker``: SIGKILL of one rank's background save process;
+* ``kill_worker``: SIGKILL of one rank's background save process, mid-save
+  or idle between saves;
 * ``sigterm``: SIGTERM to one rank: "last words", every rank saves that step;
 * ``storage_transient``: ``faulty://`` faults (``ENOSPC``/``EIO`` on a path,
   503/``SlowDown`` on S3) on data-file writes, each failing call failing
@@ -132,9 +133,9 @@ def draw_plan(seed: int, index: int, quick: bool = False) -> dict:
     if fault in ("kill_all", "kill_trainers", "sigterm"):
         plan["event"] = rng.choice(["trained", "save"])
         plan["step"] = rng.randint(1, STEPS)
-    elif fault == "kill_worker":  # a worker exists once the first save started
-        plan["event"], plan["step"] = "save", rng.choice(range(2 * INTERVAL, STEPS + 1,
-                                                               INTERVAL))
+    elif fault == "kill_worker":  # mid-save, or idle between saves (issue #32's case)
+        plan["event"] = rng.choice(["trained", "save"])
+        plan["step"] = rng.randint(INTERVAL + 1, STEPS - 1)
     elif fault == "storage_transient":
         plan["rate"] = rng.choice([0.3, 0.6, 1.0])
         plan["max_consecutive"] = rng.randint(1, 3)
@@ -716,10 +717,10 @@ def _failed_steps(errors: list[str]) -> set[int]:
     return {int(e.split(":")[0].split()[1]) for e in errors if e.startswith("step ")}
 
 
-def check_storage(storage: Storage, root: str) -> dict:
-    """In a child: ``hyperdcp verify`` of every complete step, ``hyperdcp
-    prune --min-age 0`` of the root, then every file left must be named by
-    a committed metadata (or be the pointer)."""
+def check_storage(storage: Storage, root: str, prune: bool = True) -> dict:
+    """In a child: ``hyperdcp verify`` of every complete step and (with
+    ``prune``) ``hyperdcp prune --min-age 0`` of the root, after which every
+    file left must be named by a committed metadata (or be the pointer)."""
     from dcp import read_metadata
     from dcp.tools import cli
 
@@ -735,6 +736,8 @@ def check_storage(storage: Storage, root: str) -> dict:
         code, text = run(["verify", f"{root}/step-{step}", "-q", *storage.cli_options()])
         if code != 0:
             out["verify_failed"][step] = text[-2000:]
+    if not prune:
+        return out
     code, text = run(["prune", root, "--min-age", "0", *storage.cli_options()])
     if code != 0:
         out["prune_failed"] = text[-2000:]
@@ -834,6 +837,9 @@ class Soak:
         trained = [max((e["step"] for e in ev if e.get("ev") == "trained"), default=0)
                    for ev in job_a["events"]]
         rec["lost_steps"] = max(trained) - newest
+        for step, text in in_child(check_storage, storage, root, False)["verify_failed"].items():
+            failures.append(f"corrupt: hyperdcp verify of step {step} after job A failed: "
+                            f"{text}")
         self._check_known_commits(job_a, newest, rec)
         if kind == "storage_persistent":
             left = {s: n for s, n in incomplete.items() if s >= plan["faulty_from"]}
@@ -869,7 +875,7 @@ class Soak:
             failures.append(f"hyperdcp prune failed: {checked['prune_failed']}")
         if checked["orphans"]:
             failures.append(f"orphaned files after prune: {checked['orphans']}")
-        rec["corrupt"] = len(checked["verify_failed"])
+        rec["corrupt"] = sum(f.startswith("corrupt") for f in failures)
         if not failures and not rec["hangs"]:
             in_child(storage.remove, root)
             shutil.rmtree(folder, ignore_errors=True)
@@ -1024,6 +1030,8 @@ def summarize(records: list[dict], timeout: float | None = None) -> dict:
             f"{r['plan']['world_a']}{r['plan']['layout_a'][0]}->{r['plan']['world_b']}"
             f"{r['plan']['layout_b'][0]}" for r in records).items())),
         "max_steps_lost": max((r["lost_steps"] for r in records), default=0),
+        "max_steps_lost_by_fault": {k: max(r["lost_steps"] for r in records
+                                           if r["plan"]["fault"] == k) for k in sorted(faults)},
         "wrong_resumes": sum(1 for r in records if r.get("wrong")),
         "lost_or_corrupt": sum(1 for r in records if r.get("corrupt")
                                or any(f.startswith("lost") for f in r["failures"])),

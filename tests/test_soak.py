@@ -24,9 +24,13 @@ from benchmarks.soak import FAULTS, draw_plan
 
 REPO = Path(__file__).resolve().parents[1]
 #: its six cycles (two per storage) draw every fault once, the signals at
-#: steps 5-6 with short delays (injected before the job ends), and resume
-#: at world sizes 2, 3 and 4, across layouts
-SEED = 46
+#: steps 3-6 with short delays (injected before the job ends; the background
+#: process killed idle, between saves: issue #32's case), and resume at world
+#: sizes 2, 3 and 4, across layouts
+SEED = 139
+#: what a hang of the background-process kill says (issue #32, point 2: the
+#: survivors wait for ``timeout``), until wp-async's fix is on main
+KNOWN_STALL = "(issue #32)"
 STORAGES = ("posix", "shm", "s3")
 
 
@@ -55,10 +59,12 @@ def test_soak_short(tmp_path: Path) -> None:
         path = out.with_name(f"soak-{storage}.json")
         assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
         records += json.loads(path.read_text())["cycles"]
+    stalls = [h for r in records for h in r["hangs"] if KNOWN_STALL in h]
     problems = [f"cycle {r['cycle']} ({r['storage']}, {r['plan']['fault']}): "
-                f"{r['failures'] + r['hangs']}" for r in records if r["failures"] or r["hangs"]]
+                f"{r['failures'] + [h for h in r['hangs'] if KNOWN_STALL not in h]}"
+                for r in records if r["failures"] or any(KNOWN_STALL not in h for h in r["hangs"])]
     assert not problems, "\n".join(problems)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == (1 if stalls else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(r["plan"]["fault"] for r in records) == sorted(FAULTS)
     for r in records:
         if r["plan"]["fault"] in ("kill_all", "kill_trainers", "kill_worker", "sigterm"):
@@ -69,5 +75,7 @@ def test_soak_short(tmp_path: Path) -> None:
     assert by_fault["storage_transient"]["resumed"] == 8  # every save committed
     persistent = by_fault["storage_persistent"]
     assert persistent["resumed"] < persistent["plan"]["faulty_from"]
+    if stalls:
+        pytest.xfail(f"a killed background process stalls the job: {stalls}")
     # nothing is left behind: every passing cycle's root and logs are deleted
-    assert not list((tmp_path).glob("soak-*-*/cycle-*")), list(tmp_path.iterdir())
+    assert not list(tmp_path.glob("soak-*-*/cycle-*")), list(tmp_path.iterdir())
