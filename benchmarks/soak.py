@@ -113,7 +113,8 @@ def draw_plan(seed: int, index: int, quick: bool = False) -> dict:
     """The random decisions of cycle ``index`` of a run seeded ``seed``:
     reproducible, one fault kind per cycle in a seeded order of each block
     of ``len(FAULTS)`` cycles.  ``quick`` (CI): job A on 2 ranks, job B's
-    saves synchronous (no background process to start)."""
+    saves synchronous (no background process to start), one model seed
+    (fewer reference runs)."""
     rng = random.Random(f"hyperdcp-soak/{seed}/{index}")
     block = list(FAULTS)
     random.Random(f"hyperdcp-soak/{seed}/block/{index // len(FAULTS)}").shuffle(block)
@@ -126,7 +127,7 @@ def draw_plan(seed: int, index: int, quick: bool = False) -> dict:
         world_b, layout_b = rng.choice([(w, lay) for w in WORLDS for lay in LAYOUTS
                                         if (w, lay) != (world_a, layout_a)])
     plan: dict[str, Any] = {
-        "index": index, "fault": fault, "mseed": rng.randrange(MODEL_SEEDS),
+        "index": index, "fault": fault, "mseed": rng.randrange(MODEL_SEEDS) * (not quick),
         "world_a": world_a, "layout_a": layout_a, "world_b": world_b, "layout_b": layout_b,
         "delay_s": rng.choice([0.0, 0.005, 0.02, 0.05, 0.2]) * rng.random(),
         "target": rng.randrange(world_a), "b_async": not quick and rng.random() < 0.5}
@@ -717,10 +718,13 @@ def _failed_steps(errors: list[str]) -> set[int]:
     return {int(e.split(":")[0].split()[1]) for e in errors if e.startswith("step ")}
 
 
-def check_storage(storage: Storage, root: str, prune: bool = True) -> dict:
-    """In a child: ``hyperdcp verify`` of every complete step and (with
-    ``prune``) ``hyperdcp prune --min-age 0`` of the root, after which every
-    file left must be named by a committed metadata (or be the pointer)."""
+def check_storage(storage: Storage, root: str, prune: bool = True,
+                  remove: bool = False) -> dict:
+    """In a child: the ``files`` under ``root``, ``hyperdcp verify`` of
+    every complete step and (with ``prune``) ``hyperdcp prune --min-age 0``
+    of the root, after which every file left must be named by a committed
+    metadata (or be the pointer); with ``remove``, the root is deleted if
+    all of it passed."""
     from dcp import read_metadata
     from dcp.tools import cli
 
@@ -730,8 +734,8 @@ def check_storage(storage: Storage, root: str, prune: bool = True) -> dict:
             code = cli.main(argv)
         return code, buf.getvalue()
 
-    out: dict[str, Any] = {"verify_failed": {}, "orphans": []}
-    complete, _ = _steps_of(storage.files(root))
+    out: dict[str, Any] = {"files": storage.files(root), "verify_failed": {}, "orphans": []}
+    complete, _ = _steps_of(out["files"])
     for step in complete:
         code, text = run(["verify", f"{root}/step-{step}", "-q", *storage.cli_options()])
         if code != 0:
@@ -748,6 +752,8 @@ def check_storage(storage: Storage, root: str, prune: bool = True) -> dict:
         md = read_metadata(f"{root}/step-{step}", storage_options=storage.options)
         named |= {f"step-{step}/{n}" for n in (*md.files(), "metadata.json")}
     out["orphans"] = [n for n in files if n not in named]
+    if remove and not out["orphans"] and not out["verify_failed"] and "prune_failed" not in out:
+        storage.remove(root)
     return out
 
 
@@ -830,14 +836,14 @@ class Soak:
         rec["injected"] = job_a["injected"]
         self._check_a(plan, job_a, ref_a, rec)
 
-        listing = in_child(storage.files, root)
-        complete, incomplete = _steps_of(listing)
+        seen = in_child(check_storage, storage, root, False)
+        complete, incomplete = _steps_of(seen["files"])
         newest = complete[-1] if complete else 0
         rec["complete_after_a"], rec["newest"] = complete, newest
         trained = [max((e["step"] for e in ev if e.get("ev") == "trained"), default=0)
                    for ev in job_a["events"]]
         rec["lost_steps"] = max(trained) - newest
-        for step, text in in_child(check_storage, storage, root, False)["verify_failed"].items():
+        for step, text in seen["verify_failed"].items():
             failures.append(f"corrupt: hyperdcp verify of step {step} after job A failed: "
                             f"{text}")
         self._check_known_commits(job_a, newest, rec)
@@ -856,8 +862,8 @@ class Soak:
         rec["b_s"] = round(job_b["wall_s"], 3)
         self._check_b(plan, job_b, ref_a, newest, rec)
 
-        after = in_child(storage.files, root)
-        complete_b, incomplete_b = _steps_of(after)
+        checked = in_child(check_storage, storage, root, True, not failures and not rec["hangs"])
+        complete_b, incomplete_b = _steps_of(checked["files"])
         rec["complete_after_b"] = complete_b
         last_b = max((s for ev in job_b["events"] for e in ev if e.get("ev") == "done"
                       for s in e["saved_steps"]), default=None)
@@ -868,7 +874,6 @@ class Soak:
         if stale:
             failures.append(f"retention: incomplete steps {stale} older than the newest "
                             f"complete one are left")
-        checked = in_child(check_storage, storage, root)
         for step, text in checked["verify_failed"].items():
             failures.append(f"corrupt: hyperdcp verify of step {step} failed: {text}")
         if "prune_failed" in checked:
@@ -876,8 +881,7 @@ class Soak:
         if checked["orphans"]:
             failures.append(f"orphaned files after prune: {checked['orphans']}")
         rec["corrupt"] = sum(f.startswith("corrupt") for f in failures)
-        if not failures and not rec["hangs"]:
-            in_child(storage.remove, root)
+        if not failures and not rec["hangs"]:  # (the child removed the root)
             shutil.rmtree(folder, ignore_errors=True)
         rec["cycle_s"] = round(time.monotonic() - t0, 3)
         cpu = os.times()  # the ranks' and checks' (and the background processes of ranks
