@@ -45,8 +45,9 @@ success is lost; retention holds after job B's commits (at most
 runs under a hard wall limit and every blocking manager call is timed: a
 job over the limit, or a call (or an orphaned background process) waiting
 longer than the configured ``timeout``, counts as a hang.  For
-``kill_worker``, a stall over :data:`WORKER_STALL` of the timeout counts as
-a hang (issue #32, point 2: a dead worker stalls its peers for ``timeout``).
+``kill_worker``, a stall longer than the job's first worker start (a
+replacement starts) plus :data:`WORKER_STALL` of the timeout counts as a
+hang (issue #32, point 2: a dead worker stalls its peers for ``timeout``).
 
 Cost: a long-lived driver imports torch once and forks every rank (before
 any thread or process group exists in it); the driver itself never touches
@@ -95,6 +96,9 @@ WORLDS = (2, 3, 4)
 #: background save process (``import torch``), the cost of a cycle
 WORLD_WEIGHTS = (2, 1, 1)
 STORAGES = ("posix", "shm", "s3")
+#: the faults ``faulty://`` raises on each: a filesystem's, an object store's
+STORAGE_FAULTS = {"posix": ["ENOSPC", "EIO"], "shm": ["ENOSPC", "EIO"],
+                  "s3": ["503", "slowdown"]}
 STEPS = 8  # job A trains steps 1..STEPS
 AFTER = 4  # job B trains this many steps past its resume
 INTERVAL, KEEP = 2, 2
@@ -146,11 +150,6 @@ def draw_plan(seed: int, index: int, quick: bool = False) -> dict:
         plan["methods"] = rng.choice([["write_file"], ["commit_file"],
                                       ["write_file", "commit_file"]])
     return plan
-
-
-def storage_faults(storage: str, plan: dict) -> list[str]:
-    """The faults a storage raises: a filesystem's or an object store's."""
-    return ["ENOSPC", "EIO"] if storage != "s3" else ["503", "slowdown"]
 
 
 # ------------------------------------------------------------ rank code
@@ -817,13 +816,13 @@ class Soak:
                             folder / "a", root=root, options=storage.options)
         inject = None
         if kind == "storage_transient":
-            spec_a["faulty"] = {"faults": storage_faults(storage.kind, plan),
+            spec_a["faulty"] = {"faults": STORAGE_FAULTS[storage.kind],
                                 "rate": plan["rate"],
                                 "max_consecutive": plan["max_consecutive"],
                                 "seed": plan["fault_seed"], "methods": ["write_file"]}
         elif kind == "storage_persistent":
             spec_a["faulty_from"] = plan["faulty_from"]
-            spec_a["persistent"] = {"faults": storage_faults(storage.kind, plan), "rate": 1.0,
+            spec_a["persistent"] = {"faults": STORAGE_FAULTS[storage.kind], "rate": 1.0,
                                     "methods": plan["methods"]}
         else:
             watch = plan["target"] if kind == "sigterm" else 0
