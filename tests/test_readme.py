@@ -8,7 +8,7 @@
   another way (under torchrun, against a local S3 server).
 * Every subcommand the README names is in ``hyperdcp --help``, and every
   option it gives a subcommand is in that subcommand's ``--help``.
-* README.md is at most 260 lines; every relative link of README.md,
+* README.md is at most 250 lines; every relative link of README.md,
   CONTRIBUTING.md and docs/*.md points to an existing file, and every repo
   path and ``dcp``/``planners``/``storage_plugins`` name they mention exists.
 * The import table of docs/architecture.md is the tree's (its rules are
@@ -39,7 +39,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-MAX_LINES = 260
+MAX_LINES = 250
 
 #: A fenced block, with the ``not run`` marker that may precede it.
 BLOCK = re.compile(r"(?:<!-- not run: (?P<why>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```",
