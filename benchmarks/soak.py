@@ -1052,24 +1052,30 @@ def summarize(records: list[dict], timeout: float | None = None) -> dict:
 
 def markdown(results: list[dict]) -> str:
     """The soak table of docs/benchmarks.md: one row per storage."""
-    rows = ["| storage | cycles | faults (kill_all / kill_trainers / kill_worker / sigterm / "
-            "transient / persistent) | resumes at another layout | most steps lost | wrong "
-            "resumes | lost or corrupt steps | hangs | other failed checks | cycle s "
+    rows = ["| storage | cycles | faults: kill all / kill trainers / kill a background "
+            "process / SIGTERM / transient / persistent storage | resumed on 2 / 3 / 4 ranks "
+            "(at another layout) | most steps lost: a kill / a persistent storage fault | "
+            "wrong resumes | lost or corrupt steps | hangs | other failed checks | cycle s "
             "(mean / max) |", "|" + "---|" * 10]
+    kills = ("kill_all", "kill_trainers", "kill_worker", "sigterm")
     for res in results:
-        s = summarize(res["cycles"])
-        moved = sum(1 for r in res["cycles"] if (r["plan"]["world_a"], r["plan"]["layout_a"])
+        cycles = res["cycles"]
+        s = summarize(cycles)
+        moved = sum(1 for r in cycles if (r["plan"]["world_a"], r["plan"]["layout_a"])
                     != (r["plan"]["world_b"], r["plan"]["layout_b"]))
-        f = s["faults"]
-        faults = " / ".join(str(f.get(k, 0)) for k in FAULTS)
+        worlds = " / ".join(str(sum(r["plan"]["world_b"] == w for r in cycles)) for w in WORLDS)
+        lost = s["max_steps_lost_by_fault"] if "max_steps_lost_by_fault" in s else {}
+        lost_text = (f"{max((lost.get(k, 0) for k in kills), default=0)} / "
+                     f"{lost.get('storage_persistent', 0)}")
+        faults = " / ".join(str(s["faults"].get(k, 0)) for k in FAULTS)
         other = max(s["failed_cycles"] - s["wrong_resumes"] - s["lost_or_corrupt"], 0)
         slow = s["worker_start_over_timeout"]
         other_text = f"{other}" + (f" ({slow}: a worker start over the timeout)" if slow else "")
         by_fault = ", ".join(f"{k} {v}" for k, v in s["hangs_by_fault"].items())
         hangs = f"{s['hangs']} ({by_fault})" if s["hangs"] else "0"
-        rows.append(f"| {res['storage']} | {s['cycles']} | {faults} | {moved} | "
-                    f"{s['max_steps_lost']} | {s['wrong_resumes']} | {s['lost_or_corrupt']} | "
-                    f"{hangs} | {other_text} | {s['cycle_s_mean']} / {s['cycle_s_max']} |")
+        rows.append(f"| {res['storage']} | {s['cycles']} | {faults} | {worlds} ({moved}) | "
+                    f"{lost_text} | {s['wrong_resumes']} | {s['lost_or_corrupt']} | {hangs} | "
+                    f"{other_text} | {s['cycle_s_mean']} / {s['cycle_s_max']} |")
     return "\n".join(rows)
 
 
