@@ -22,8 +22,9 @@ job, sometimes at another world size or layout, resumes with
   or idle between saves;
 * ``sigterm``: SIGTERM to one rank: "last words", every rank saves that step;
 * ``storage_transient``: ``faulty://`` faults (``ENOSPC``/``EIO`` on a path,
-  503/``SlowDown`` on S3) on data-file writes, each failing call failing
-  1-3 times in a row before it goes through: retried, every save commits;
+  503/``SlowDown`` on S3) on data-file writes, or on those and the commits
+  (metadata, pointer), each failing call failing 1-3 times in a row before
+  it goes through: retried, every save commits;
 * ``storage_persistent``: from a random step on, every data-file write or
   every commit (metadata, pointer) fails: those saves fail on every rank and
   leave no file; training goes on.
@@ -145,6 +146,7 @@ def draw_plan(seed: int, index: int, quick: bool = False) -> dict:
         plan["rate"] = rng.choice([0.3, 0.6, 1.0])
         plan["max_consecutive"] = rng.randint(1, 3)
         plan["fault_seed"] = rng.randrange(1 << 30)
+        plan["methods"] = rng.choice([["write_file"], ["write_file", "commit_file"]])
     else:
         plan["faulty_from"] = rng.randint(INTERVAL, STEPS)
         plan["methods"] = rng.choice([["write_file"], ["commit_file"],
@@ -819,7 +821,7 @@ class Soak:
             spec_a["faulty"] = {"faults": STORAGE_FAULTS[storage.kind],
                                 "rate": plan["rate"],
                                 "max_consecutive": plan["max_consecutive"],
-                                "seed": plan["fault_seed"], "methods": ["write_file"]}
+                                "seed": plan["fault_seed"], "methods": plan["methods"]}
         elif kind == "storage_persistent":
             spec_a["faulty_from"] = plan["faulty_from"]
             spec_a["persistent"] = {"faults": STORAGE_FAULTS[storage.kind], "rate": 1.0,
