@@ -25,9 +25,8 @@ from benchmarks.soak import FAULTS, draw_plan
 REPO = Path(__file__).resolve().parents[1]
 #: its six cycles (two per storage) draw every fault once, the signals at
 #: steps 3-6 with short delays (injected before the job ends; the background
-#: process killed idle, between saves: issue #32's case; transient faults on commits
-#: too), and resume at world
-#: sizes 2, 3 and 4, across layouts
+#: process killed idle, between saves: issue #32's case), transient faults on
+#: the commits too, and resumes at world sizes 2, 3 and 4, across layouts
 SEED = 2873
 #: what a hang of the background-process kill says (issue #32, point 2: the
 #: survivors wait for ``timeout``), until wp-async's fix is on main
