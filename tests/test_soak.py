@@ -70,7 +70,7 @@ def _run_driver(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(1800)
 def test_soak_short(tmp_path: Path) -> None:
-    """About 50 s on an idle 2-core machine (the limits are for a loaded one)."""
+    """About 90 CPU-seconds in all (the limits are for a loaded machine)."""
     pytest.importorskip("moto")
     out = tmp_path / "soak.json"
     proc = _run_driver(["--storage", *STORAGES, "--cycles", "2", "--seed", str(SEED), "--quick",
