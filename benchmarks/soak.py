@@ -944,7 +944,10 @@ class Soak:
                          if "blocked_s" in e and e["t"] < job["injected"]["t"]), default=0.0)
             stall = self._blocking(job, {"hangs": []}, "A", after=job["injected"]["t"])
             rec["worker_stall_s"] = round(stall, 3)
-            if stall > start + WORKER_STALL * self.timeout:
+            if stall > self.timeout + SLACK_S:  # job A's hangs are the stall's
+                rec["hangs"][:] = [f"{h}, after the SIGKILL of a background process (issue #32)"
+                                   for h in rec["hangs"]]
+            elif stall > start + WORKER_STALL * self.timeout:
                 rec["hangs"].append(f"job A: the SIGKILL of rank {plan['target']}'s background "
                                     f"process stalled the job {stall:.1f} s (issue #32)")
         preempted = {e["step"] for ev in job["events"] for e in ev if e["ev"] == "preempted"}
