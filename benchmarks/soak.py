@@ -944,7 +944,7 @@ class Soak:
                          if "blocked_s" in e and e["t"] < job["injected"]["t"]), default=0.0)
             stall = self._blocking(job, {"hangs": []}, "A", after=job["injected"]["t"])
             rec["worker_stall_s"] = round(stall, 3)
-            if stall > self.timeout + SLACK_S:  # job A's hangs are the stall's
+            if rec["hangs"]:  # job A's hangs, after the kill: the stall's (a limit too)
                 rec["hangs"][:] = [f"{h}, after the SIGKILL of a background process (issue #32)"
                                    for h in rec["hangs"]]
             elif stall > start + WORKER_STALL * self.timeout:
