@@ -13,9 +13,11 @@ import torch.distributed as dist
 import dcp
 import s3_server
 from dcp.core.storage import open_storage
+from dcp.orchestration.save import commit_metadata
 from dcp.tools.verify import verify
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, random_tensor
+from storage_plugins.faulty import FaultyStorage
 
 TRANSIENT = {"rate": 1.0, "max_consecutive": 2}  # every write fails twice, then succeeds
 PERSISTENT = {"rate": 1.0}
@@ -66,6 +68,49 @@ def test_persistent_faults_fail_cleanly_and_keep_the_previous_checkpoint(kind, t
         dcp.save(_state(2), url, storage=storage, overwrite=True)
     assert (plain.list_files(), plain.read_file("metadata.json")) == before
     _assert_holds(url, 1, options)
+
+
+@pytest.mark.parametrize("kind", ["posix", "s3"])
+def test_transient_faults_on_the_commit_are_retried(kind, tmp_path):
+    """The metadata's commit is retried as the data files' writes are (the
+    soak's transient faults on commits): two faults, then it commits."""
+    url, options = _location(kind, tmp_path)
+    storage = open_storage(f"faulty://{url}", **TRANSIENT, methods=["commit_file"],
+                           options=options)
+    md = dcp.save(_state(3), url, storage=storage)
+    assert sum(storage.injected.values()) == 2, storage.injected
+    _assert_holds(url, 3, options)
+    assert sorted(open_storage(url, **options).list_files()) == sorted(
+        md.files() | {"metadata.json"})
+
+
+class _LostAnswer(FaultyStorage):
+    """Its first commit lands, then fails as if the answer were lost
+    (a reset connection after the server stored the object)."""
+
+    lost = False
+
+    def commit_file(self, name: str, data: bytes, *, overwrite: bool) -> None:
+        self.inner.commit_file(name, data, overwrite=overwrite)
+        if not self.lost:
+            self.lost = True
+            raise ConnectionResetError(f"{name}: connection reset (injected)")
+
+
+def test_a_commit_whose_answer_was_lost_is_not_reported_failed(tmp_path):
+    """The retry finds the metadata committed with its own bytes: the save
+    succeeded.  A retry that finds another save's metadata fails, naming it."""
+    url = str(tmp_path / "ckpt")
+    storage = _LostAnswer(f"faulty://{url}", rate=0.0)
+    md = dcp.save(_state(4), url, storage=storage)
+    assert storage.lost
+    _assert_holds(url, 4, {})
+    other = tmp_path / "other"
+    open_storage(str(other)).commit_file("metadata.json", b"another save's", overwrite=False)
+    flaky = open_storage(f"faulty://{other}", **TRANSIENT, methods=["commit_file"])
+    with pytest.raises(dcp.CheckpointError, match="another save committed a checkpoint here"):
+        commit_metadata(flaky, "metadata.json", md, overwrite=False)
+    assert flaky.injected and (other / "metadata.json").read_bytes() == b"another save's"
 
 
 def test_a_failed_save_into_a_new_folder_leaves_no_folder(tmp_path):

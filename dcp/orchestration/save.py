@@ -330,12 +330,26 @@ def _metadata_from_objects(save_id: str, world_size: int, decls: dict[str, Tenso
 
 
 def commit_metadata(storage: StoragePlugin, name: str, md: Metadata, overwrite: bool) -> None:
-    """Publish ``md`` as ``name`` atomically, last; raises
+    """Publish ``md`` as ``name`` atomically, last, a transient failure
+    retried under the plugin's retry policy (as the data files' writes are);
+    a retry that finds ``name`` holding these very bytes has succeeded (the
+    earlier attempt's answer was lost after it committed).  Raises
     :class:`CheckpointError` if another save committed there first."""
     data = encode(md)
     wire.remember_metadata(md, data)  # the answer to every rank carries these bytes
+    attempts = 0
+
+    def commit() -> None:
+        nonlocal attempts
+        attempts += 1
+        try:
+            storage.commit_file(name, data, overwrite=overwrite)
+        except FileExistsError:
+            if attempts == 1 or storage.read_file(name) != data:
+                raise
+
     try:
-        storage.commit_file(name, data, overwrite=overwrite)
+        storage.retrying(commit)
     except FileExistsError as e:
         raise CheckpointError(
             f"{storage.checkpoint_id!r}: another save committed a checkpoint here first") from e
