@@ -6,9 +6,9 @@ Scenarios: the sync save/load family, the many-small-tensors family and
 the S3 load family (hyperdcp, torch DCP and the storage's floor measured in
 the same process groups, one row per system), and the families with tables
 of their own — ``async_save``, ``storage``, ``convert``, ``scale``,
-``coordination``, ``startup`` — each one scenario.  ``--list`` shows them all; each runs
-alone with ``--scenario NAME``, and ``--scenario FAMILY`` runs a family's
-scenarios (e.g. ``--scenario s3_load``).  Without the bench extra
+``coordination``, ``startup`` — each one scenario.  ``--list`` shows them
+all; each runs alone with ``--scenario NAME``, and ``--scenario FAMILY``
+runs a family's scenarios (e.g. ``--scenario s3_load``).  Without the bench extra
 (matplotlib, s3fs, moto) ``--help`` and ``--list`` work, the families that
 need it refuse to run, and no chart is drawn.
 ``--quick`` uses tiny inputs, to check that the harness works (its numbers

@@ -38,16 +38,17 @@ PARSER_MODULES = {"dcp", "dcp.errors", "dcp.tools", "dcp.tools.cli", "dcp.intero
 HEAVY = ("torch", "numpy", "zstandard", "fsspec", "s3fs", "safetensors", "tqdm")
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter started in the repository root; its
-    last stdout line is the JSON it prints."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter started in the repository root, with
+    ``args`` as ``sys.argv[1:]``."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
 
 
 def _report(done: subprocess.CompletedProcess) -> dict:
+    """The JSON that the last line of ``done``'s output holds."""
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -139,26 +140,24 @@ def test_lazy_names_are_the_type_checking_imports():
 
 def test_a_process_that_imported_only_dcp_loads_what_another_saved(tmp_path):
     uri = str(tmp_path / "ckpt")
-    save = """
-        import datetime, json, torch
+    _python("""
+        import datetime, sys, torch
         import dcp
         state = {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7,
                  "b": torch.arange(6, dtype=torch.int64) - 3,
                  "when": {datetime.date(2026, 12, 2), 7}, "step": 7}
-        dcp.save(state, %r, allow_pickle=True)
-        print(json.dumps({}))
-        """ % uri
-    _python(save)
+        dcp.save(state, sys.argv[1], allow_pickle=True)
+        """, uri)
     report = _report(_python("""
-        import json, torch
+        import json, sys, torch
         import dcp
         state = {"w": torch.zeros(4, 6), "b": torch.zeros(6, dtype=torch.int64),
                  "when": None, "step": 0}
-        report = dcp.load(state, %r, allow_pickle=True)
+        report = dcp.load(state, sys.argv[1], allow_pickle=True)
         print(json.dumps({"w": state["w"].tolist(), "b": state["b"].tolist(),
                           "when": sorted(map(str, state["when"])), "step": state["step"],
                           "missing": list(report.missing_keys)}))
-        """ % uri))
+        """, uri))
     import torch
 
     w = torch.tensor(report["w"], dtype=torch.float32)

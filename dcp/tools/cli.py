@@ -1,8 +1,9 @@
 """The ``hyperdcp`` command line: its parser, exit codes and dispatch.
 
-This module imports the standard library and :mod:`dcp.errors` only, so
-``hyperdcp --help`` and ``--version`` answer without torch; a subcommand's
-work (:mod:`dcp.tools.commands`) is imported once it runs.
+This module imports only the standard library, :mod:`dcp.errors` and
+:mod:`dcp.interop.sizes`, so ``hyperdcp --help`` and ``--version`` answer
+without torch; a subcommand's work (:mod:`dcp.tools.commands`) is imported
+once it runs.
 
 Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 

@@ -83,7 +83,7 @@ def _is_ckpt_file(uri: str, options: dict[str | None, dict]) -> bool:
 
 
 def _detect(uri: str, options: dict[str | None, dict]) -> str:
-    """The format of what ``uri`` holds: one of :data:`FORMATS`.  Checkpoint
+    """The format of what ``uri`` holds: one of :data:`dcp.tools.cli.FORMATS`.  Checkpoint
     folders are looked for first, so a folder named ``*.ckpt`` (PyTorch
     Lightning names its DCP folders ``epoch=0-step=10.ckpt``) is one."""
     if uri.endswith(SUFFIX):
