@@ -53,7 +53,6 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import re
 import sys
@@ -86,6 +85,20 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+class _Version(argparse.Action):
+    """``--version``: the installed hyperdcp's version, looked up only when
+    asked (``importlib.metadata`` costs as much as the rest of the parser)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import importlib.metadata
+
+        print(f"hyperdcp {importlib.metadata.version('hyperdcp')}")
+        parser.exit()
+
+
 def _in_cli_terms(message: str) -> str:
     """``message`` with the API's keyword arguments replaced by the options
     of the command line (:data:`API_OPTIONS`)."""
@@ -105,8 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 error, 2 bad usage, 3 verify found damage, "
                "4 diff found differences, 130 interrupted",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version",
-                        version=f"hyperdcp {importlib.metadata.version('hyperdcp')}")
+    parser.add_argument("--version", action=_Version, help="show the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     # listed for --help only: main() hands "demo ..." to the demo's own parser
     sub.add_parser("demo", help="train, SIGKILL mid-save, resume under another layout, last "
