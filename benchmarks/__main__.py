@@ -6,9 +6,9 @@ Scenarios: the sync save/load family, the many-small-tensors family and
 the S3 load family (hyperdcp, torch DCP and the storage's floor measured in
 the same process groups, one row per system), and the families with tables
 of their own — ``async_save``, ``storage``, ``convert``, ``scale``,
-``coordination`` — each one scenario.  ``--list`` shows them all; each runs
-alone with ``--scenario NAME``, and ``--scenario FAMILY`` runs a family's
-scenarios (e.g. ``--scenario s3_load``).  Without the bench extra
+``coordination``, ``startup`` — each one scenario.  ``--list`` shows them
+all; each runs alone with ``--scenario NAME``, and ``--scenario FAMILY``
+runs a family's scenarios (e.g. ``--scenario s3_load``).  Without the bench extra
 (matplotlib, s3fs, moto) ``--help`` and ``--list`` work, the families that
 need it refuse to run, and no chart is drawn.
 ``--quick`` uses tiny inputs, to check that the harness works (its numbers
@@ -39,6 +39,7 @@ from . import (
     s3_load,
     scale,
     small_tensors,
+    startup,
     storage,
     sync_save_load,
 )
@@ -77,6 +78,10 @@ def _run_scale(config: RunConfig, out: Path) -> list[dict]:
     return scale.run(out, repeat=config.repeat, quick=config.quick)
 
 
+def _run_startup(config: RunConfig, out: Path) -> list[dict]:
+    return startup.run(out, repeat=2 if config.quick else max(10, config.repeat))
+
+
 def _run_coordination(config: RunConfig, out: Path) -> list[dict]:
     return coordination.run(out, repeat=config.repeat, quick=config.quick,
                             scratch=config.scratch)
@@ -97,6 +102,8 @@ TABLES = {
               scale.markdown, _run_scale),
     "coordination": ("file-flag protocol with 64-512 simulated ranks; gloo with 2-8",
                      coordination.markdown, _run_coordination),
+    "startup": ("hyperdcp --version/--help and import dcp, fresh processes, vs import torch",
+                startup.markdown, _run_startup),
 }
 
 
@@ -217,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 targets += family.targets([r for r in rows if r.family == family.FAMILY])
         if tables.get("scale"):
             targets += scale.targets(tables["scale"])
+        if tables.get("startup"):
+            targets += startup.targets(tables["startup"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     foreign = foreign_cpu.fraction()

@@ -14,44 +14,54 @@ MindSpore ``Tensor``/``Parameter`` leaves save and load like torch tensors
 (:mod:`dcp.core.mindspore_tensors`); :func:`mindspore_shard`
 (:mod:`dcp.core.mindspore_layout`) describes a
 sharded MindSpore parameter's slice.
+
+The names are imported on first use (a module ``__getattr__``, PEP 562):
+``import dcp`` loads neither torch nor a layer, so the ``hyperdcp`` command
+and a job that only imports ``dcp`` start in tenths of a second; the first
+name used (``dcp.save``) imports its module and what that needs, torch
+included.  Type checkers see the imports of the ``TYPE_CHECKING`` block.
 """
 
-from dcp.asynchronous.async_save import (
-    AsyncSaveCounters,
-    AsyncSaveResponse,
-    AsyncSaveStats,
-    AsyncSaveTimeout,
-    async_save,
-    async_save_counters,
-    prestart_async_worker,
-)
-from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
-from dcp.core.mindspore_layout import mindspore_shard
-from dcp.core.tensors import TensorShard
-from dcp.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedDtypeError,
-)
-from dcp.manager import (
-    AnyOf,
-    BestN,
-    CheckpointManager,
-    CheckpointWarning,
-    DeriveRNG,
-    EveryNSteps,
-    FixedInterval,
-    Forced,
-    FromFirstRank,
-    LatestN,
-    OnPreemption,
-    PerRank,
-    SpecificSteps,
-    SumOf,
-)
-from dcp.orchestration.load import LoadReport, load, read_metadata
-from dcp.orchestration.save import save
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dcp.asynchronous.async_save import (
+        AsyncSaveCounters,
+        AsyncSaveResponse,
+        AsyncSaveStats,
+        AsyncSaveTimeout,
+        async_save,
+        async_save_counters,
+        prestart_async_worker,
+    )
+    from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
+    from dcp.core.mindspore_layout import mindspore_shard
+    from dcp.core.tensors import TensorShard
+    from dcp.errors import (
+        CheckpointError,
+        CorruptCheckpointError,
+        NotACheckpointError,
+        UnsupportedDtypeError,
+    )
+    from dcp.manager import (
+        AnyOf,
+        BestN,
+        CheckpointManager,
+        CheckpointWarning,
+        DeriveRNG,
+        EveryNSteps,
+        FixedInterval,
+        Forced,
+        FromFirstRank,
+        LatestN,
+        OnPreemption,
+        PerRank,
+        SpecificSteps,
+        SumOf,
+    )
+    from dcp.orchestration.load import LoadReport, load, read_metadata
+    from dcp.orchestration.save import save
 
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
@@ -64,3 +74,42 @@ __all__ = [
     "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN", "OnPreemption",
     "SpecificSteps",
 ]
+
+#: Each module and the public names imported from it on first use: the
+#: ``TYPE_CHECKING`` block's, name for name (tests/test_startup.py checks).
+_HOMES = {
+    "dcp.asynchronous.async_save": ("AsyncSaveCounters", "AsyncSaveResponse", "AsyncSaveStats",
+                                    "AsyncSaveTimeout", "async_save", "async_save_counters",
+                                    "prestart_async_worker"),
+    "dcp.core.metadata": ("ChunkMeta", "Metadata", "ObjectMeta", "TensorMeta"),
+    "dcp.core.mindspore_layout": ("mindspore_shard",),
+    "dcp.core.tensors": ("TensorShard",),
+    "dcp.errors": ("CheckpointError", "CorruptCheckpointError", "NotACheckpointError",
+                   "UnsupportedDtypeError"),
+    "dcp.manager": ("AnyOf", "BestN", "CheckpointManager", "CheckpointWarning", "DeriveRNG",
+                    "EveryNSteps", "FixedInterval", "Forced", "FromFirstRank", "LatestN",
+                    "OnPreemption", "PerRank", "SpecificSteps", "SumOf"),
+    "dcp.orchestration.load": ("LoadReport", "load", "read_metadata"),
+    "dcp.orchestration.save": ("save",),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+#: The layers that ``dcp.X`` reaches without an ``import dcp.X`` (as when
+#: ``import dcp`` loaded them all).
+_LAYERS = ("asynchronous", "coordination", "core", "errors", "manager", "orchestration")
+
+if not TYPE_CHECKING:  # hidden from type checkers: a misspelt dcp.X stays an error there
+    def __getattr__(name: str):
+        """``dcp.NAME``: the public name, imported from its module on first
+        use and kept as this module's attribute; or one of the layers.
+        ``AttributeError`` for any other name."""
+        if name in _LAYERS:
+            return importlib.import_module(f"{__name__}.{name}")
+        if name not in _HOME_OF:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HOME_OF[name]), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_LAYERS})

@@ -39,20 +39,22 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcp.core import devices
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.errors import CheckpointError, UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
@@ -88,6 +90,26 @@ class LocalChunk:
 def is_tensor(value: Any) -> bool:
     """True for leaves this adapter describes (tensors, DTensors, shards)."""
     return isinstance(value, (torch.Tensor, TensorShard))
+
+
+def _loaded(module: str, name: str) -> type | None:
+    """The class ``module.name`` if ``module`` is loaded, else ``None``.  A
+    value is an instance of a class only if its module was imported, so a
+    job without DTensors never pays for ``torch.distributed.tensor`` (0.7 s
+    of imports; the MindSpore adapter's rule: a value counts as MindSpore's
+    only when ``mindspore`` is in ``sys.modules``)."""
+    return getattr(sys.modules.get(module), name, None)
+
+
+def _is_dtensor(value: Any) -> bool:
+    cls = _loaded("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(value, cls)
+
+
+def _is_sharded(value: Any) -> bool:
+    """A ``ShardedTensor`` (FSDP1, torchrec)."""
+    cls = _loaded("torch.distributed._shard.sharded_tensor", "ShardedTensor")
+    return cls is not None and isinstance(value, cls)
 
 
 def init_optimizer_state(value: Any) -> None:
@@ -196,20 +218,22 @@ def describe(fqn: str, value: Any) -> LocalChunk:
     Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype or
     a :class:`TensorShard` whose box lies outside its global shape.
     """
-    if isinstance(value, ShardedTensor):
+    if _is_sharded(value):
         shards = value.local_shards()
         if len(shards) > 1:
             raise CheckpointError(
                 f"{fqn!r}: this rank holds {len(shards)} local shards of the ShardedTensor; a "
                 f"load target may hold one at most (save handles any number)")
         return _sharded_chunks(fqn, value)[0]
-    if isinstance(value, DTensor) and not _on_mesh(value):
+    if _is_dtensor(value) and not _on_mesh(value):
         # not on this rank's mesh: an empty box, or a scratch scalar for a 0-d tensor
         shape = tuple(value.shape)
         sizes = (0, *shape[1:]) if shape else ()
         return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
                           torch.empty(sizes, dtype=value.dtype))
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         local = value._local_tensor
         global_shape = tuple(value.shape)
         sizes, offsets = compute_local_shape_and_global_offset(
@@ -247,9 +271,9 @@ def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
     """
     if is_meta(value):
         raise CheckpointError(f"{fqn!r} is on the meta device: it holds no values to save")
-    if isinstance(value, ShardedTensor):
+    if _is_sharded(value):
         return _sharded_chunks(fqn, value)
-    if isinstance(value, DTensor) and not _on_mesh(value):
+    if _is_dtensor(value) and not _on_mesh(value):
         return []
     return [describe(fqn, value)]
 
@@ -288,9 +312,9 @@ def is_meta(value: Any) -> bool:
     """Whether a tensor-like leaf's values live on the meta device (none)."""
     if isinstance(value, TensorShard):
         value = value.data
-    if isinstance(value, ShardedTensor):
+    if _is_sharded(value):
         return any(s.tensor.is_meta for s in value.local_shards())
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
         return value._local_tensor.is_meta
     return isinstance(value, torch.Tensor) and value.is_meta
 
@@ -302,7 +326,7 @@ def _materialize_device(value: Any, device: Any) -> torch.device:
     if device is not None:
         return torch.device(device)
     current = devices.current_device()
-    if current is None or (isinstance(value, DTensor)
+    if current is None or (_is_dtensor(value)
                            and value.device_mesh.device_type != current.type):
         return torch.device("cpu")
     return current
@@ -320,10 +344,10 @@ def materialize(value: Any, dtype: str, device: Any = None) -> Any:
     if isinstance(value, TensorShard):
         return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt, device=device),
                            value.global_shape, value.global_offsets)
-    if isinstance(value, ShardedTensor):
+    if _is_sharded(value):
         from torch.distributed import _remote_device
         from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
         def placed(m: ShardMetadata) -> ShardMetadata:
             rank = m.placement.rank() if m.placement is not None else None
@@ -337,7 +361,9 @@ def materialize(value: Any, dtype: str, device: Any = None) -> Any:
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
+        from torch.distributed.tensor import DTensor
+
         local = torch.empty(tuple(value._local_tensor.shape), dtype=dt, device=device)
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
@@ -352,9 +378,9 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
     counts as held by this rank alone (its replicas are not knowable), as
     does a ``ShardedTensor``'s shard (shards are disjoint)."""
-    if isinstance(value, (TensorShard, ShardedTensor)):
+    if isinstance(value, TensorShard) or _is_sharded(value):
         return 0, 1
-    if isinstance(value, DTensor):
+    if _is_dtensor(value):
         mesh = value.device_mesh
         coordinate: Sequence[int] = mesh.get_coordinate() or ()
         index, count = 0, 1
