@@ -7,7 +7,7 @@ Loading intersects the boxes each rank needs with the saved chunks, so a
 checkpoint loads into any other parallel layout.
 
 Public API: :func:`save`, :func:`async_save`, :func:`load`,
-:func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
+:func:`load_keys`, :func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
 :class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`;
 :class:`CheckpointManager` (:mod:`dcp.manager`) for a training loop.
 MindSpore ``Tensor``/``Parameter`` leaves save and load like torch tensors
@@ -49,11 +49,11 @@ from dcp.manager import (
     SpecificSteps,
     SumOf,
 )
-from dcp.orchestration.load import LoadReport, load, read_metadata
+from dcp.orchestration.load import LoadReport, load, load_keys, read_metadata
 from dcp.orchestration.save import save
 
 __all__ = [
-    "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
+    "save", "load", "load_keys", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",

@@ -191,59 +191,92 @@ def pickle_globals() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def describe(fqn: str, value: Any) -> LocalChunk:
-    """Describe a tensor-like leaf as the box this rank holds.
+    """Describe a tensor-like leaf held as one box on this rank.
 
-    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype or
-    a :class:`TensorShard` whose box lies outside its global shape.
+    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype,
+    a :class:`TensorShard` or DTensor whose box lies outside its global
+    shape, or a leaf this rank holds several boxes of (a ``ShardedTensor``
+    with several local shards, a checkpointable tensor: see
+    :func:`load_chunks`).
+    """
+    chunks = load_chunks(fqn, value)
+    if len(chunks) != 1:
+        raise CheckpointError(f"{fqn!r}: this rank holds {len(chunks)} boxes of it, not one")
+    return chunks[0]
+
+
+def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
+    """Every box this rank holds of a tensor-like leaf, as load targets
+    filled in place: one for most leaves, one per local shard of a
+    ``ShardedTensor`` or of a checkpointable tensor (:func:`_checkpointable`),
+    an empty box for a DTensor whose mesh does not contain this rank (or a
+    leaf with no local shard here).
+
+    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype
+    or a box outside the global shape.
     """
     if isinstance(value, ShardedTensor):
-        shards = value.local_shards()
-        if len(shards) > 1:
-            raise CheckpointError(
-                f"{fqn!r}: this rank holds {len(shards)} local shards of the ShardedTensor; a "
-                f"load target may hold one at most (save handles any number)")
-        return _sharded_chunks(fqn, value)[0]
+        return _sharded_chunks(fqn, value)
     if isinstance(value, DTensor) and not _on_mesh(value):
-        # not on this rank's mesh: an empty box, or a scratch scalar for a 0-d tensor
-        shape = tuple(value.shape)
-        sizes = (0, *shape[1:]) if shape else ()
-        return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
-                          torch.empty(sizes, dtype=value.dtype))
+        return [_empty_chunk(fqn, value)]
+    if _is_checkpointable(value):
+        return _checkpointable(fqn, value, save=False) or [_empty_chunk(fqn, value)]
+    return [_one_chunk(fqn, value)]
+
+
+def _one_chunk(fqn: str, value: Any) -> LocalChunk:
+    """The one box of a tensor, DTensor or :class:`TensorShard`."""
     if isinstance(value, DTensor):
         local = value._local_tensor
         global_shape = tuple(value.shape)
         sizes, offsets = compute_local_shape_and_global_offset(
             value.shape, value.device_mesh, value.placements)
-        sizes, offsets = tuple(sizes), tuple(offsets)
-        if tuple(local.shape) != sizes:
-            raise CheckpointError(
-                f"{fqn!r}: DTensor local shape {tuple(local.shape)} does not match the "
-                f"shape {sizes} its placements {value.placements} give")
+        # torch's placement arithmetic gives the offsets; the local tensor its
+        # real shape (DTensor.from_local(..., shape=, stride=) may shard
+        # unevenly in a way the placements do not say); the save's coverage
+        # check refuses boxes that then do not tile the global shape
+        sizes, offsets = tuple(local.shape), tuple(offsets)
         if 0 in sizes:  # an empty shard: its offsets may lie past the end
             offsets = (0,) * len(sizes)
+        _check_box(fqn, "DTensor", sizes, offsets, global_shape)
         return LocalChunk(global_shape, dtype_name(local.dtype, fqn), offsets, sizes, local)
     if isinstance(value, TensorShard):
         data = value.data
         global_shape = tuple(int(d) for d in value.global_shape)
         offsets = tuple(int(o) for o in value.global_offsets)
         sizes = tuple(data.shape)
-        if not (len(global_shape) == len(offsets) == len(sizes)) or any(
-                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
-            raise CheckpointError(
-                f"{fqn!r}: TensorShard of shape {sizes} at offsets {offsets} does not fit "
-                f"global shape {global_shape}")
+        _check_box(fqn, "TensorShard", sizes, offsets, global_shape)
         return LocalChunk(global_shape, dtype_name(data.dtype, fqn), offsets, sizes, data)
     shape = tuple(value.shape)
     return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), shape, value)
 
 
+def _check_box(fqn: str, kind: str, sizes: tuple[int, ...], offsets: tuple[int, ...],
+               global_shape: tuple[int, ...]) -> None:
+    if not (len(global_shape) == len(offsets) == len(sizes)) or any(
+            o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
+        raise CheckpointError(
+            f"{fqn!r}: {kind} of shape {sizes} at offsets {offsets} does not fit "
+            f"global shape {global_shape}")
+
+
+def _empty_chunk(fqn: str, value: Any) -> LocalChunk:
+    """An empty box of a leaf's global shape (a scratch scalar for a 0-d
+    one): what a rank holding none of it asks a load for."""
+    shape = tuple(value.shape)
+    sizes = (0, *shape[1:]) if shape else ()
+    return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
+                      torch.empty(sizes, dtype=value.dtype))
+
+
 def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
     """Every box this rank holds of a tensor-like leaf, to be saved: one for
-    most leaves, one per local shard of a ``ShardedTensor``, none for a
-    DTensor whose mesh does not contain this rank.
+    most leaves, one per local shard of a ``ShardedTensor`` or of a
+    checkpointable tensor, none for a DTensor whose mesh does not contain
+    this rank.
 
     Raises :class:`CheckpointError` naming ``fqn`` for a tensor on the meta
-    device (it holds no values), besides :func:`describe`'s errors.
+    device (it holds no values), besides :func:`load_chunks`' errors.
     """
     if is_meta(value):
         raise CheckpointError(f"{fqn!r} is on the meta device: it holds no values to save")
@@ -251,7 +284,80 @@ def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
         return _sharded_chunks(fqn, value)
     if isinstance(value, DTensor) and not _on_mesh(value):
         return []
-    return [describe(fqn, value)]
+    if _is_checkpointable(value):
+        return _checkpointable(fqn, value, save=True)
+    return [_one_chunk(fqn, value)]
+
+
+#: torch DCP's protocol of tensors that describe their own chunks
+#: (``torch/distributed/checkpoint/planner_helpers.py``, ``utils.py``).
+_PROTOCOL = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+
+
+def _is_checkpointable(value: Any) -> bool:
+    """Whether a leaf describes its own chunks through torch's protocol: a
+    tensor subclass implementing it (torch's test type
+    ``CheckpointableDistTensor``), or a DTensor whose local tensor does
+    (``LocalShardsWrapper``: TorchRec's sharded embedding tables, several
+    shards on a rank).  A plain DTensor has the methods too, over its
+    placements: it is described by them here instead."""
+    holder = value._local_tensor if isinstance(value, DTensor) else value
+    return any(hasattr(holder, name) for name in _PROTOCOL) and not isinstance(
+        holder, DTensor)
+
+
+def _checkpointable(fqn: str, value: Any, save: bool) -> list[LocalChunk]:
+    """The boxes of a checkpointable leaf: on save those its
+    ``__create_write_items__`` names, on load those its
+    ``__create_chunk_list__`` names, each one's tensor from
+    ``__get_tensor_shard__`` (filled in place on load).
+
+    Raises :class:`CheckpointError` naming ``fqn`` and the protocol for a
+    leaf that implements it in part, raises inside it, or returns boxes
+    that are no tensor shards or do not fit (before any I/O).
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    holder = value._local_tensor if isinstance(value, DTensor) else value
+    what = (f"{fqn!r}: {type(holder).__name__} implements torch DCP's checkpointable protocol "
+            f"({', '.join(_PROTOCOL)})")
+    absent = [name for name in _PROTOCOL if not hasattr(holder, name)]
+    if absent:
+        raise CheckpointError(f"{what} only in part: it lacks {', '.join(absent)}")
+    global_shape = tuple(value.shape)
+    chunks = []
+    try:
+        if save:
+            boxes = []
+            for item in holder.__create_write_items__(fqn, holder):
+                if item.type not in (WriteItemType.SHARD, WriteItemType.TENSOR) or (
+                        item.tensor_data is None):
+                    raise CheckpointError(f"{what}, and gives a {item.type.name} write item: "
+                                          f"only tensor shards are supported")
+                boxes.append((item.tensor_data.chunk, item.index))
+        else:
+            boxes = [(c, MetadataIndex(fqn, c.offsets, i))
+                     for i, c in enumerate(holder.__create_chunk_list__())]
+        for chunk, index in boxes:
+            data = holder.__get_tensor_shard__(index)
+            offsets = tuple(int(o) for o in chunk.offsets)
+            sizes = tuple(int(s) for s in chunk.sizes)
+            if not isinstance(data, torch.Tensor) or tuple(data.shape) != sizes:
+                raise CheckpointError(
+                    f"{what}, and its shard at offsets {offsets} is a "
+                    f"{type(data).__name__} of shape {tuple(getattr(data, 'shape', ()))}, "
+                    f"not a tensor of its chunk's sizes {sizes}")
+            if 0 in sizes:
+                offsets = (0,) * len(sizes)
+            _check_box(fqn, "a checkpointable shard", sizes, offsets, global_shape)
+            chunks.append(LocalChunk(global_shape, dtype_name(data.dtype, fqn), offsets, sizes,
+                                     data))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what}, which raised {type(e).__name__}: {e}") from e
+    return chunks
 
 
 def _on_mesh(value: DTensor) -> bool:
@@ -263,7 +369,6 @@ def _sharded_chunks(fqn: str, value: ShardedTensor) -> list[LocalChunk]:
     has none here); raises :class:`CheckpointError` naming ``fqn`` for a
     shard that does not fit the global shape or its own metadata."""
     global_shape = tuple(value.size())
-    dtype = dtype_name(value.dtype, fqn)
     chunks = []
     for shard in value.local_shards():
         sizes = tuple(int(s) for s in shard.metadata.shard_sizes)
@@ -277,11 +382,7 @@ def _sharded_chunks(fqn: str, value: ShardedTensor) -> list[LocalChunk]:
             offsets = (0,) * len(sizes)
         chunks.append(LocalChunk(global_shape, dtype_name(shard.tensor.dtype, fqn), offsets,
                                  sizes, shard.tensor))
-    if not chunks:
-        sizes = (0, *global_shape[1:]) if global_shape else ()
-        chunks.append(LocalChunk(global_shape, dtype, (0,) * len(global_shape), sizes,
-                                 torch.empty(sizes, dtype=value.dtype)))
-    return chunks
+    return chunks or [_empty_chunk(fqn, value)]
 
 
 def is_meta(value: Any) -> bool:
@@ -352,7 +453,8 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
     counts as held by this rank alone (its replicas are not knowable), as
     does a ``ShardedTensor``'s shard (shards are disjoint)."""
-    if isinstance(value, (TensorShard, ShardedTensor)):
+    if isinstance(value, (TensorShard, ShardedTensor)) or (
+            _is_checkpointable(value) and not isinstance(value, DTensor)):
         return 0, 1
     if isinstance(value, DTensor):
         mesh = value.device_mesh
