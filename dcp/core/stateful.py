@@ -108,13 +108,11 @@ class Resolved:
         for found in self.substituted:
             if not isinstance(found.container, tuple):
                 found.container[found.key] = found.obj
-        root = self.root if self.root is not None else self.state_dict
-        if isinstance(root, dict) and isinstance(self.state_dict, dict):
-            held = {id(f.obj) for f in self.statefuls if f.depth == 1}
-            for key in list(root):
-                value = self.state_dict.get(key)
-                if id(root[key]) not in held and id(value) not in copied:
-                    root[key] = value
+        if isinstance(self.state_dict, dict) and (
+                self.root is None or self.root is self.state_dict):
+            # the caller's dict was not copied (copied ones were set above)
+            for key in list(self.state_dict):
+                self.state_dict[key] = self.state_dict[key]
         for found in sorted(self.statefuls, key=lambda f: (-f.depth, f.fqn)):
             try:
                 found.obj.load_state_dict(found.container[found.key])
