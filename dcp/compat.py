@@ -339,8 +339,9 @@ def _overwrite(storage_writer: Any) -> bool:
 _WRITER_REFUSED = {
     "per_thread_copy_ahead": (10_000_000, "hyperdcp copies accelerator tensors to host memory "
                                           "through its own bounded, reused staging"),
-    "transforms": (None, "torch's stream extensions (_extensions: compression, encryption) "
-                         "would not run on hyperdcp's files"),
+    "transforms": (None, "a stream extension's transform (encryption, say) would not run on "
+                         "hyperdcp's files; only torch's ZStandard is accepted (hyperdcp "
+                         "stores the bytes uncompressed)"),
     "serialization_format": ("torch_save", "hyperdcp writes its own format"),
 }
 
@@ -351,7 +352,9 @@ def _writer_options(storage_writer: Any) -> dict[str, Any]:
     1 leaves hyperdcp's), ``sync_files=False`` as ``fsync=False``.
     ``single_file_per_rank`` and ``cache_staged_state_dict`` are accepted
     at any value (the files' layout is hyperdcp's; its async staging buffer
-    is reused anyway); ``overwrite`` is :func:`_overwrite`'s.  Raises
+    is reused anyway), and so is torch's ``ZStandard`` extension (a
+    smaller file, the same bytes loaded); ``overwrite`` is
+    :func:`_overwrite`'s.  Raises
     :class:`CheckpointError` naming a setting of :data:`_WRITER_REFUSED` at
     another value than torch's default."""
     if storage_writer is None:
@@ -360,7 +363,8 @@ def _writer_options(storage_writer: Any) -> dict[str, Any]:
         value = getattr(storage_writer, name, default)
         value = getattr(value, "value", value)  # an enum
         if name == "transforms":  # what torch keeps of _extensions=
-            name, value = "_extensions", getattr(value, "extensions", value) or None
+            name, value = "_extensions", [e for e in getattr(value, "extensions", None) or ()
+                                          if type(e).__name__ != "ZStandard"] or None
         if value != default:
             raise CheckpointError(f"FileSystemWriter({name}={value!r}) is not supported by "
                                   f"dcp.compat: {why}")

@@ -914,6 +914,7 @@ def _tutorial_overwrite_loop(ctx):
     import dcp.compat as dcp_  # was: import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._extension import ZStandard
+    from torch.testing._internal.distributed.checkpoint_utils import Rot13Example
 
     ws = ctx.world_size
     checkpoint_dir = ctx.dir / "tutorial"
@@ -924,7 +925,8 @@ def _tutorial_overwrite_loop(ctx):
         _train(model, optimizer, sched, seed=step, steps=1)
         state_dict = {"app": AppState(model, optimizer)}
         writer = (FileSystemWriter(checkpoint_dir, overwrite=True) if step != 1 else
-                  FileSystemWriter(checkpoint_dir, thread_count=2, sync_files=False))
+                  FileSystemWriter(checkpoint_dir, thread_count=2, sync_files=False,
+                                   _extensions=[ZStandard()]))
         dcp_.save(state_dict, storage_writer=writer)
         expected = _expected(model, optimizer)
         model2 = _fsdp_model(ws, seed=9)
@@ -933,12 +935,12 @@ def _tutorial_overwrite_loop(ctx):
         dcp_.load({"app": AppState(model2, opt2)}, checkpoint_id=checkpoint_dir)
         _check_expected(model2, opt2, expected, f"tutorial step {step}")
     files = sorted(p.name for p in checkpoint_dir.iterdir())
-    assert len([f for f in files if f.endswith(".data")]) <= 2 * ws, files  # old ones deleted
+    assert len({f.split(".")[1] for f in files if f.endswith(".data")}) == 1, files  # old gone
     with pytest.raises(RuntimeError, match="^Checkpoint already exists"):
         dcp_.save({"app": AppState(model, optimizer)},
                   storage_writer=FileSystemWriter(checkpoint_dir, overwrite=False))
     for kwargs, name in ((dict(per_thread_copy_ahead=1), "per_thread_copy_ahead"),
-                         (dict(_extensions=[ZStandard()]), "_extensions")):
+                         (dict(_extensions=[ZStandard(), Rot13Example()]), "_extensions")):
         with pytest.raises(dcp.CheckpointError, match=f"FileSystemWriter\\({name}="):
             dcp_.save({"w": torch.zeros(2)},
                       storage_writer=FileSystemWriter(ctx.dir / "refused", **kwargs))
