@@ -53,8 +53,8 @@ from dcp.orchestration.load import LoadReport, load, load_keys, read_metadata
 from dcp.orchestration.save import save
 
 __all__ = [
-    "save", "load", "load_keys", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
-    "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
+    "save", "load", "load_keys", "read_metadata", "TensorShard", "Metadata", "TensorMeta",
+    "ChunkMeta", "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",

@@ -9,8 +9,10 @@ through the alias:
   :func:`async_save` (``checkpoint_id=``, ``storage_writer=`` /
   ``storage_reader=``, ``planner=``, ``process_group=``, ``no_dist=``,
   ``async_checkpointer_type=``), the deprecated :func:`save_state_dict` and
-  :func:`load_state_dict` (Accelerate's and older Lightning's calls), the
-  modules ``state_dict_saver`` and ``state_dict_loader`` holding them,
+  :func:`load_state_dict` (Accelerate's and older Lightning's calls),
+  the private :func:`_load_state_dict_from_keys` (over
+  :func:`dcp.load_keys`), the modules ``state_dict_saver`` and
+  ``state_dict_loader`` holding them,
   ``CheckpointException`` (:class:`~dcp.CheckpointError`), ``Metadata``
   (:class:`~dcp.Metadata`, what :func:`save` returns) and the planner
   interfaces ``SavePlanner``, ``LoadPlanner``, ``SavePlan``, ``LoadPlan``,
@@ -33,15 +35,20 @@ that differ, a value that is neither a tensor, JSON, ``bytes`` nor
 ``io.BytesIO`` (never pickled) — and their messages name torch's way out
 (``FileSystemWriter(..., overwrite=True)``,
 ``DefaultLoadPlanner(allow_partial_load=True)``), or hyperdcp's call where
-torch has none.
+torch has none.  Code written for torch catches ``RuntimeError``, so each
+of these is a ``RuntimeError`` too, led by torch's words for the failure
+where torch has them ("Cannot detect which StorageReader or StorageWriter
+to use", "Checkpoint already exists", "Missing key in checkpoint
+state_dict").
 
 Storage: torch's ``FileSystemWriter`` / ``FileSystemReader`` (their fsspec
 subclasses too), or any object of the caller's with a ``path``, names where
 the checkpoint lives; hyperdcp's own storage plugin for that path's scheme
 does the I/O (torch's other storages are refused: their own I/O or format
-would be bypassed).  A writer's ``overwrite``
-(PyTorch DCP's default: ``True``) is honoured; hyperdcp keeps the previous
-checkpoint loadable until the new one commits.
+would be bypassed).  A writer's ``overwrite`` (PyTorch DCP's default:
+``True``) is honoured; hyperdcp keeps the previous checkpoint loadable
+until the new one commits.  Its other settings are mapped onto the
+plugin's options or refused by name (:func:`_writer_options`).
 
 Planners: torch's ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` with their
 default settings are accepted (hyperdcp's planners do their job), and
@@ -54,7 +61,6 @@ run; hyperdcp planners (:class:`dcp.core.planner.SavePlanner`,
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import re
@@ -174,15 +180,20 @@ _TORCH_WORDING = {
 }
 
 
-@functools.cache
-def _also_runtime(cls: type[CheckpointError]) -> type[CheckpointError]:
+#: Each CheckpointError class made a RuntimeError too, made once.
+_RUNTIME: dict[type, type] = {}
+
+
+def _also_runtime(cls: type[CheckpointError]) -> type:
     """``cls`` made a ``RuntimeError`` too: torch DCP raises
     ``RuntimeError`` (or its ``CheckpointException``) where code written
     for it catches one."""
     if issubclass(cls, RuntimeError):
         return cls
-    return type(cls.__name__, (cls, RuntimeError), {"__module__": cls.__module__,
-                                                     "__qualname__": cls.__qualname__})
+    if cls not in _RUNTIME:
+        _RUNTIME[cls] = type(cls.__name__, (cls, RuntimeError),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _RUNTIME[cls]
 
 
 def _in_torch_terms(error: CheckpointError) -> CheckpointError:

@@ -709,7 +709,7 @@ class Checkpointable(torch.Tensor):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(offsets=o, sizes=s.size())
-                for o, s in zip(self._offsets, self._shards)]
+                for o, s in zip(self._offsets, self._shards, strict=True)]
 
     def __create_write_items__(self, fqn, obj):
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
@@ -723,7 +723,7 @@ class Checkpointable(torch.Tensor):
                           tensor_data=TensorWriteData(
                               chunk=c, properties=TensorProperties.create_from_tensor(s),
                               size=self.shape))
-                for c, s in zip(self.__create_chunk_list__(), self._shards)]
+                for c, s in zip(self.__create_chunk_list__(), self._shards, strict=True)]
 
     def __get_tensor_shard__(self, index):
         return self._shards[self._offsets.index(index.offset)]
@@ -911,10 +911,11 @@ def _tutorial_overwrite_loop(ctx):
     step over the same folder with ``FileSystemWriter(..., overwrite=True)``
     (also torch's default), each loaded back exactly; torch's other writer
     settings mapped or refused by name."""
-    import dcp.compat as dcp_  # was: import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._extension import ZStandard
     from torch.testing._internal.distributed.checkpoint_utils import Rot13Example
+
+    import dcp.compat as dcp_  # was: import torch.distributed.checkpoint as dcp
 
     ws = ctx.world_size
     checkpoint_dir = ctx.dir / "tutorial"

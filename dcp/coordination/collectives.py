@@ -476,12 +476,6 @@ class LocalCoordinator(CoordinatorBase):
     def is_coordinator(self) -> bool:
         return True
 
-    def _receive(self, src: int) -> Any:
-        """The object group rank ``src`` sends this rank."""
-        box: list[Any] = [None]
-        dist.recv_object_list(box, group=self.group, group_src=src)
-        return box[0]
-
     def _gather(self, step, phase, obj):
         return [obj]
 

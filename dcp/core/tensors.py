@@ -319,7 +319,7 @@ def _checkpointable(fqn: str, value: Any, save: bool) -> list[LocalChunk]:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    holder = value._local_tensor if isinstance(value, DTensor) else value
+    holder: Any = value._local_tensor if isinstance(value, DTensor) else value
     what = (f"{fqn!r}: {type(holder).__name__} implements torch DCP's checkpointable protocol "
             f"({', '.join(_PROTOCOL)})")
     absent = [name for name in _PROTOCOL if not hasattr(holder, name)]
