@@ -1017,6 +1017,15 @@ def test_compat_top_level_values_set_through_the_callers_dict(tmp_path):
     assert sd.set_keys == ["foo"] and sd["foo"] is inner  # filled in place, then set
     assert_bitwise_equal(inner["w"], torch.arange(6.0), "w")
 
+    sd = StateDict()  # no Stateful at all: torch's second case
+    sd["foo"] = inner
+    dcp.compat.save(sd, checkpoint_id=tmp_path / "c")
+    inner["w"].zero_()
+    sd.set_keys.clear()
+    dcp.compat.load(sd, checkpoint_id=tmp_path / "c")
+    assert sd.set_keys == ["foo"] and sd["foo"] is inner, sd.set_keys
+    assert_bitwise_equal(inner["w"], torch.arange(6.0), "w, no Stateful")
+
 
 def test_compat_errors_are_runtime_errors_in_torch_words(tmp_path):
     """Code written for torch DCP catches ``RuntimeError`` and matches
