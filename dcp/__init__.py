@@ -7,7 +7,7 @@ Loading intersects the boxes each rank needs with the saved chunks, so a
 checkpoint loads into any other parallel layout.
 
 Public API: :func:`save`, :func:`async_save`, :func:`load`,
-:func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
+:func:`load_keys`, :func:`read_metadata`, :class:`TensorShard`, :class:`Metadata`,
 :class:`LoadReport`, :class:`AsyncSaveResponse`, :class:`CheckpointError`;
 :class:`CheckpointManager` (:mod:`dcp.manager`) for a training loop.
 MindSpore ``Tensor``/``Parameter`` leaves save and load like torch tensors
@@ -60,12 +60,12 @@ if TYPE_CHECKING:
         SpecificSteps,
         SumOf,
     )
-    from dcp.orchestration.load import LoadReport, load, read_metadata
+    from dcp.orchestration.load import LoadReport, load, load_keys, read_metadata
     from dcp.orchestration.save import save
 
 __all__ = [
-    "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
-    "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
+    "save", "load", "load_keys", "read_metadata", "TensorShard", "Metadata", "TensorMeta",
+    "ChunkMeta", "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
     "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters", "prestart_async_worker",
@@ -89,7 +89,7 @@ _HOMES = {
     "dcp.manager": ("AnyOf", "BestN", "CheckpointManager", "CheckpointWarning", "DeriveRNG",
                     "EveryNSteps", "FixedInterval", "Forced", "FromFirstRank", "LatestN",
                     "OnPreemption", "PerRank", "SpecificSteps", "SumOf"),
-    "dcp.orchestration.load": ("LoadReport", "load", "read_metadata"),
+    "dcp.orchestration.load": ("LoadReport", "load", "load_keys", "read_metadata"),
     "dcp.orchestration.save": ("save",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

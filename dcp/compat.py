@@ -9,8 +9,10 @@ through the alias:
   :func:`async_save` (``checkpoint_id=``, ``storage_writer=`` /
   ``storage_reader=``, ``planner=``, ``process_group=``, ``no_dist=``,
   ``async_checkpointer_type=``), the deprecated :func:`save_state_dict` and
-  :func:`load_state_dict` (Accelerate's and older Lightning's calls), the
-  modules ``state_dict_saver`` and ``state_dict_loader`` holding them,
+  :func:`load_state_dict` (Accelerate's and older Lightning's calls),
+  the private :func:`_load_state_dict_from_keys` (over
+  :func:`dcp.load_keys`), the modules ``state_dict_saver`` and
+  ``state_dict_loader`` holding them,
   ``CheckpointException`` (:class:`~dcp.CheckpointError`), ``Metadata``
   (:class:`~dcp.Metadata`, what :func:`save` returns) and the planner
   interfaces ``SavePlanner``, ``LoadPlanner``, ``SavePlan``, ``LoadPlan``,
@@ -33,15 +35,20 @@ that differ, a value that is neither a tensor, JSON, ``bytes`` nor
 ``io.BytesIO`` (never pickled) — and their messages name torch's way out
 (``FileSystemWriter(..., overwrite=True)``,
 ``DefaultLoadPlanner(allow_partial_load=True)``), or hyperdcp's call where
-torch has none.
+torch has none.  Code written for torch catches ``RuntimeError``, so each
+of these is a ``RuntimeError`` too, led by torch's words for the failure
+where torch has them ("Cannot detect which StorageReader or StorageWriter
+to use", "Checkpoint already exists", "Missing key in checkpoint
+state_dict").
 
 Storage: torch's ``FileSystemWriter`` / ``FileSystemReader`` (their fsspec
 subclasses too), or any object of the caller's with a ``path``, names where
 the checkpoint lives; hyperdcp's own storage plugin for that path's scheme
 does the I/O (torch's other storages are refused: their own I/O or format
-would be bypassed).  A writer's ``overwrite``
-(PyTorch DCP's default: ``True``) is honoured; hyperdcp keeps the previous
-checkpoint loadable until the new one commits.
+would be bypassed).  A writer's ``overwrite`` (PyTorch DCP's default:
+``True``) is honoured; hyperdcp keeps the previous checkpoint loadable
+until the new one commits.  Its other settings are mapped onto the
+plugin's options or refused by name (:func:`_writer_options`).
 
 Planners: torch's ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` with their
 default settings are accepted (hyperdcp's planners do their job), and
@@ -67,9 +74,11 @@ from dcp.asynchronous.async_save import AsyncSaveResponse
 from dcp.asynchronous.async_save import async_save as _async_save
 from dcp.core.metadata import Metadata
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from dcp.core.storage import installed_schemes, plugin_name
 from dcp.errors import CheckpointError
 from dcp.orchestration.load import LoadReport
 from dcp.orchestration.load import load as _load
+from dcp.orchestration.load import load_keys as _load_keys
 from dcp.orchestration.save import save as _save
 
 #: torch's name for the exception its saves and loads raise.
@@ -92,7 +101,7 @@ _TORCH_OBJECTS = {
 }
 #: torch's modules of entry points, as modules of ours holding these names.
 _MODULES = {"state_dict_saver": ("save", "async_save", "save_state_dict", "AsyncCheckpointerType"),
-            "state_dict_loader": ("load", "load_state_dict")}
+            "state_dict_loader": ("load", "load_state_dict", "_load_state_dict_from_keys")}
 __all__ += [*_TORCH_OBJECTS, *_MODULES]
 _TORCH_METADATA = ("torch DCP's metadata classes: a hyperdcp checkpoint's metadata is "
                    "dcp.read_metadata(path), a dcp.Metadata (TensorMeta, ChunkMeta, ObjectMeta)")
@@ -163,12 +172,43 @@ _TORCH_WAYS = {
 _WAYS = re.compile("|".join(map(re.escape, sorted(_TORCH_WAYS, key=len, reverse=True))))
 
 
+#: hyperdcp's wording of failures torch DCP has a message for, and torch's
+#: words that code written for it matches on, put first.
+_TORCH_WORDING = {
+    "already holds a committed checkpoint": "Checkpoint already exists",
+    "key(s) of the target are not in the checkpoint": "Missing key in checkpoint state_dict",
+}
+
+
+#: Each CheckpointError class made a RuntimeError too, made once.
+_RUNTIME: dict[type, type] = {}
+
+
+def _also_runtime(cls: type[CheckpointError]) -> type:
+    """``cls`` made a ``RuntimeError`` too: torch DCP raises
+    ``RuntimeError`` (or its ``CheckpointException``) where code written
+    for it catches one."""
+    if issubclass(cls, RuntimeError):
+        return cls
+    if cls not in _RUNTIME:
+        _RUNTIME[cls] = type(cls.__name__, (cls, RuntimeError),
+                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _RUNTIME[cls]
+
+
 def _in_torch_terms(error: CheckpointError) -> CheckpointError:
-    """``error``, its message naming torch's ways instead of hyperdcp's
-    keywords (:data:`_TORCH_WAYS`)."""
+    """``error`` as a drop-in for torch DCP raises it: a ``RuntimeError`` as
+    well as a :class:`CheckpointError`, its message naming torch's ways
+    instead of hyperdcp's keywords (:data:`_TORCH_WAYS`) and led by torch's
+    words for the failure (:data:`_TORCH_WORDING`)."""
+    with contextlib.suppress(TypeError):  # a class with its own layout stays as it is
+        error.__class__ = _also_runtime(type(error))
     if error.args:
-        error.args = (_WAYS.sub(lambda m: _TORCH_WAYS[m.group(0)], str(error)),
-                      *error.args[1:])
+        message = _WAYS.sub(lambda m: _TORCH_WAYS[m.group(0)], str(error))
+        for ours, torchs in _TORCH_WORDING.items():
+            if ours in message and not message.startswith(torchs):
+                message = f"{torchs}: {message}"
+        error.args = (message, *error.args[1:])
     return error
 
 
@@ -305,6 +345,62 @@ def _overwrite(storage_writer: Any) -> bool:
     return bool(getattr(storage_writer, "overwrite", True))
 
 
+#: torch's ``FileSystemWriter`` settings without a counterpart here, their
+#: defaults, and why another value is refused.
+_WRITER_REFUSED = {
+    "per_thread_copy_ahead": (10_000_000, "hyperdcp copies accelerator tensors to host memory "
+                                          "through its own bounded, reused staging"),
+    "transforms": (None, "a stream extension's transform (encryption, say) would not run on "
+                         "hyperdcp's files; only torch's ZStandard is accepted (hyperdcp "
+                         "stores the bytes uncompressed)"),
+    "serialization_format": ("torch_save", "hyperdcp writes its own format"),
+}
+
+
+def _writer_options(storage_writer: Any) -> dict[str, Any]:
+    """The storage options torch's ``FileSystemWriter`` settings map onto:
+    ``thread_count`` (files written in parallel per rank; torch's default
+    1 leaves hyperdcp's), ``sync_files=False`` as ``fsync=False``.
+    ``single_file_per_rank`` and ``cache_staged_state_dict`` are accepted
+    at any value (the files' layout is hyperdcp's; its async staging buffer
+    is reused anyway), and so is torch's ``ZStandard`` extension (a
+    smaller file, the same bytes loaded); ``overwrite`` is
+    :func:`_overwrite`'s.  Raises
+    :class:`CheckpointError` naming a setting of :data:`_WRITER_REFUSED` at
+    another value than torch's default."""
+    if storage_writer is None:
+        return {}
+    for name, (default, why) in _WRITER_REFUSED.items():
+        value = getattr(storage_writer, name, default)
+        value = getattr(value, "value", value)  # an enum
+        if name == "transforms":  # what torch keeps of _extensions=
+            name, value = "_extensions", [e for e in getattr(value, "extensions", None) or ()
+                                          if type(e).__name__ != "ZStandard"] or None
+        if value != default:
+            raise CheckpointError(f"FileSystemWriter({name}={value!r}) is not supported by "
+                                  f"dcp.compat: {why}")
+    options: dict[str, Any] = {}
+    threads = getattr(storage_writer, "thread_count", 1)
+    if threads != 1:
+        options["thread_count"] = int(threads)
+    if getattr(storage_writer, "sync_files", True) is False:
+        options["fsync"] = False
+    return options
+
+
+def _storage_for(where: str) -> None:
+    """Raise torch's "Cannot detect" error (a :class:`CheckpointError` and
+    a ``RuntimeError``, as everything :func:`_torch_terms` passes on) for a
+    checkpoint id that no installed storage plugin serves."""
+    name = plugin_name(where)
+    if name not in installed_schemes():
+        raise CheckpointError(
+            f"Cannot detect which StorageReader or StorageWriter to use for {where!r}: no "
+            f"hyperdcp storage plugin serves the scheme {name!r} (installed: "
+            f"{', '.join(sorted(installed_schemes()))}; a new backend is a storage plugin: "
+            f"docs/plugin-authors.md)")
+
+
 def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
          storage_writer: Any = None, planner: Any = None, process_group: Any = None,
          no_dist: bool = False, use_collectives: bool = True) -> Metadata:
@@ -316,9 +412,11 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     """
     with _torch_terms():
         where = _location(checkpoint_id, storage_writer, "storage_writer")
+        _storage_for(where)
         return _save(state_dict, where, planner=_save_planner(planner),
                      process_group=_group(process_group, no_dist, use_collectives),
-                     overwrite=_overwrite(storage_writer))
+                     overwrite=_overwrite(storage_writer),
+                     storage_options=_writer_options(storage_writer))
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
@@ -335,6 +433,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
     """
     with _torch_terms():
         where = _location(checkpoint_id, storage_reader, "storage_reader")
+        _storage_for(where)
         hyper_planner, strict = _load_planner(planner)
         return _load(state_dict, where, strict=strict, planner=hyper_planner,
                      process_group=_group(process_group, no_dist, True))
@@ -358,6 +457,40 @@ def load_state_dict(state_dict: dict[str, Any], storage_reader: Any, process_gro
     ``coordinator_rank`` as for :func:`save_state_dict`."""
     return load(state_dict, storage_reader=storage_reader, planner=planner,
                 process_group=process_group, no_dist=no_dist)
+
+
+def _load_state_dict_from_keys(keys: set[str] | str | None = None, *,
+                               checkpoint_id: str | os.PathLike | None = None,
+                               storage_reader: Any = None,
+                               process_group: Any = None) -> dict[str, Any]:
+    """torch's private ``_load_state_dict_from_keys`` (model-only or
+    optimizer-only reads) over :func:`dcp.load_keys`: every value the keys
+    select, on CPU at its saved dtype.
+
+    The result nests each selected fqn under the dotted parts of the key
+    that selected it, the rest of the fqn one key below
+    (``"optim.state"`` gives ``{"optim": {"state": {"0.exp_avg": t}}}``):
+    hyperdcp's metadata keeps fqns, not where the saved containers' keys
+    held dots.  Without keys the dict is flat, by fqn."""
+    with _torch_terms():
+        where = _location(checkpoint_id, storage_reader, "storage_reader")
+        _storage_for(where)
+        wanted = None if keys is None else [keys] if isinstance(keys, str) else sorted(keys)
+        flat = _load_keys(where, wanted, process_group=process_group)
+    if wanted is None:
+        return flat
+    out: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        key = max((k for k in wanted if fqn == k or fqn.startswith(f"{k}.")), key=len)
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        if fqn == key:
+            node[last] = value
+        else:
+            node.setdefault(last, {})[fqn[len(key) + 1:]] = value
+    return out
 
 
 def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
@@ -387,19 +520,21 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     Both ``AsyncCheckpointerType.THREAD`` and ``PROCESS`` run the save in
     hyperdcp's background process.  A custom ``async_stager`` is refused.
     """
-    if async_stager is not None:
-        raise CheckpointError(
-            f"async_stager {type(async_stager).__name__} is not supported by dcp.compat: "
-            f"hyperdcp stages into its own reused shared memory")
-    kind = getattr(async_checkpointer_type, "value", async_checkpointer_type)
-    if kind not in (None, "thread", "process"):
-        raise CheckpointError(f"async_checkpointer_type {async_checkpointer_type!r} is not "
-                              f"supported (THREAD or PROCESS)")
     with _torch_terms():
+        if async_stager is not None:
+            raise CheckpointError(
+                f"async_stager {type(async_stager).__name__} is not supported by dcp.compat: "
+                f"hyperdcp stages into its own reused shared memory")
+        kind = getattr(async_checkpointer_type, "value", async_checkpointer_type)
+        if kind not in (None, "thread", "process"):
+            raise CheckpointError(f"async_checkpointer_type {async_checkpointer_type!r} is not "
+                                  f"supported (THREAD or PROCESS)")
         where = _location(checkpoint_id, storage_writer, "storage_writer")
+        _storage_for(where)
         response = _async_save(state_dict, where, planner=_save_planner(planner),
                                process_group=_group(process_group, no_dist, use_collectives),
-                               overwrite=_overwrite(storage_writer))
+                               overwrite=_overwrite(storage_writer),
+                               storage_options=_writer_options(storage_writer))
     future: Future = Future()
     future.set_running_or_notify_cancel()
 

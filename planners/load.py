@@ -101,7 +101,8 @@ class DefaultLoadPlanner(LoadPlanner):
                     raise CheckpointError(
                         f"{req.fqn!r}: the target holds a tensor there, but the checkpoint holds "
                         f"{_describe(metadata.objects[req.fqn])}")
-                plan.missing_keys.append(req.fqn)
+                if req.fqn not in plan.missing_keys[-1:]:  # a rank's boxes of it follow on
+                    plan.missing_keys.append(req.fqn)
                 continue
             if saved.shape != req.shape:
                 raise CheckpointError(

@@ -87,3 +87,42 @@ def test_two_level_gather_through_host_leaders_saves_bit_exact(ctx):
     values = _coordinator().gather_broadcast("sum", lambda: wire.encode(ctx.rank * 10),
                                              lambda parts: [wire.decode(p, "p") for p in parts])
     assert values == [0, 10, 20, 30]
+
+
+@dist_scenario(world_size=4)
+def test_two_level_gather_with_a_host_of_one_rank_makes_no_groups(ctx):
+    """Hosts of unequal sizes (rank 0 alone, ranks 1-3 together): the
+    two-level gather once made a group of each host and one of the leaders
+    with torch's locally synchronised ``new_group``, whose name counts the
+    groups the calling process holds, so rank 1 (which had made its host's
+    group first) and rank 0 (which had none to make) waited for each other
+    under different names until the job's timeout.  Its levels now run
+    point to point: no group is made, on any rank; a second coordinator
+    over another group of the same ranks finds its own layout, and a host
+    name that changed on one rank does not make that rank gather alone."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1, 2, 3], backend="gloo") for _ in range(2)]  # fresh layouts
+    held = len(dist.distributed_c10d._world.pg_names)
+    host = "alone" if ctx.rank == 0 else "shared"
+    coord = Coordinator(groups[0], host=host, two_level_from=2)
+    assert coord.hosts is not None and coord.hosts.hosts == [[0], [1, 2, 3]], coord.hosts
+    got = coord.gather_broadcast("gather", lambda: f"part of {ctx.rank}", list)
+    assert got == [f"part of {r}" for r in range(4)], got
+    again = Coordinator(groups[0], host=f"renamed-{ctx.rank}", two_level_from=2)  # once a group
+    assert again.hosts == coord.hosts
+    assert again.gather_broadcast("again", lambda: ctx.rank * 10, sum) == 60
+    assert len(dist.distributed_c10d._world.pg_names) == held  # nothing made
+    third = Coordinator(groups[1], host=host, two_level_from=2)
+    assert third.hosts is not None and third.hosts.hosts == [[0], [1, 2, 3]]
+    assert third.gather_broadcast("third", lambda: [ctx.rank], list) == [[0], [1], [2], [3]]
+    # a locally synchronised group made afterwards is named alike on its members
+    pair = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True)
+    if ctx.rank in (0, 1):
+        box = [ctx.rank]
+        dist.broadcast_object_list(box, group=pair, group_src=1)
+        assert box == [1]
+    for group in groups:
+        dist.destroy_process_group(group)
+    if ctx.rank in (0, 1):
+        dist.destroy_process_group(pair)

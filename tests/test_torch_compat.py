@@ -665,3 +665,392 @@ def test_metadata_version_1_without_raw_blobs_and_raw_refused_in_version_1(tmp_p
     doc["version"] = 3
     with pytest.raises(dcp.CorruptCheckpointError, match="unsupported version 3"):
         decode(json.dumps(doc).encode())
+
+
+# ------------------------------------------- issue 30: the rest of torch's cases
+#
+# Saved at W=2 (phase 0) and loaded at W=4 (phase 1), saved at W=4 and loaded
+# at W=2 (phase 2), through dcp.compat with torch's FileSystemWriter/Reader:
+# ShardedTensors with 2 local shards per rank on both sides, DTensors over
+# LocalShardsWrapper (uneven, several shards a rank), a tensor subclass that
+# describes its own chunks, a DTensor made by from_local(shape=, stride=).
+
+_SEV_ROWS = (8, 3)
+#: ShardedTensor rows per rank, 2 local shards each, saved and loaded
+_SEV = {2: [[(0, 2), (4, 6)], [(2, 4), (6, 8)]],
+        4: [[(0, 1), (4, 5)], [(1, 2), (5, 6)], [(2, 3), (6, 7)], [(3, 4), (7, 8)]]}
+#: LocalShardsWrapper / checkpointable rows per rank: uneven, several or none
+_LSW_ROWS = (10, 2)
+_LSW_SAVE = {2: [[(0, 3), (5, 6)], [(3, 5), (6, 10)]],
+             4: [[(0, 1), (8, 9)], [(1, 4)], [(4, 6), (9, 10)], [(6, 8)]]}
+_LSW_LOAD = {2: [[(0, 6)], [(6, 7), (7, 10)]],
+             4: [[(0, 2)], [(2, 3), (9, 10)], [], [(3, 9)]]}
+#: DTensor.from_local rows per rank (the last one short, as torch's test)
+_UNEVEN = {2: [4, 3], 4: [2, 2, 2, 1]}
+
+
+class Checkpointable(torch.Tensor):
+    """A tensor that describes its own chunks through torch DCP's protocol
+    (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``), as torch's test type
+    ``CheckpointableDistTensor``: any torch op on it raises."""
+
+    @staticmethod
+    def __new__(cls, shards, offsets, size):
+        r = torch.Tensor._make_wrapper_subclass(cls, size, dtype=torch.float32)
+        r._shards, r._offsets = shards, [torch.Size(o) for o in offsets]
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} is not supported for Checkpointable")
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=o, sizes=s.size())
+                for o, s in zip(self._offsets, self._shards, strict=True)]
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=c, properties=TensorProperties.create_from_tensor(s),
+                              size=self.shape))
+                for c, s in zip(self.__create_chunk_list__(), self._shards, strict=True)]
+
+    def __get_tensor_shard__(self, index):
+        return self._shards[self._offsets.index(index.offset)]
+
+
+def _rows(full, ranges):
+    return [full[lo:hi].clone() for lo, hi in ranges], [(lo, 0) for lo, _ in ranges]
+
+
+def _lsw(full, ranges, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    shards, offsets = _rows(full, ranges)
+    wrapper = LocalShardsWrapper(shards, offsets)
+    return DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False,
+                              shape=full.shape, stride=full.stride()), shards
+
+
+def _uneven(full, ws, rank, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    sizes = _UNEVEN[ws]
+    lo = sum(sizes[:rank])
+    return DTensor.from_local(full[lo:lo + sizes[rank]].clone(), mesh, [Shard(0)],
+                              run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _several(name):
+    return {"st": random_tensor(_SEV_ROWS, torch.float32, seed=31),
+            "lsw": random_tensor(_LSW_ROWS, torch.float32, seed=32),
+            "cdt": random_tensor(_LSW_ROWS, torch.float32, seed=33),
+            "uneven": random_tensor((7, 2), torch.float32, seed=34)}[name]
+
+
+def _save_several(ctx, name):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ws, rank = ctx.world_size, ctx.rank
+    mesh = init_device_mesh("cpu", (ws,))
+    shards, offsets = _rows(_several("cdt"), _LSW_SAVE[ws][rank])
+    sd = {"st": _sharded(_several("st"), _SEV[ws], rank),
+          "lsw": _lsw(_several("lsw"), _LSW_SAVE[ws][rank], mesh)[0],
+          "cdt": Checkpointable(shards, offsets, _LSW_ROWS),
+          "uneven": _uneven(_several("uneven"), ws, rank, mesh)}
+    md = dcp.compat.save(sd, storage_writer=FileSystemWriter(ctx.shared / name))
+    assert len(md.tensors["st"].chunks) == 2 * ws, md.tensors["st"].chunks
+    assert sorted(c.offsets[0] for c in md.tensors["lsw"].chunks) == sorted(
+        lo for ranges in _LSW_SAVE[ws] for lo, _ in ranges)
+    assert [c.sizes[0] for c in sorted(md.tensors["uneven"].chunks,
+                                       key=lambda c: c.offsets)] == _UNEVEN[ws]
+
+    # a layout whose boxes do not fit, a protocol that raises: refused before any I/O
+    bad = ctx.dir / "bad"
+    sizes = list(reversed(_UNEVEN[ws]))  # placements' offsets, other sizes: past the end
+    local = torch.zeros(sizes[rank], 2)
+    from torch.distributed.tensor import DTensor, Shard
+
+    wrong = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(7, 2),
+                               stride=(2, 1))
+    with pytest.raises(dcp.CheckpointError, match="'wrong': DTensor of shape"):
+        dcp.compat.save({"wrong": wrong}, checkpoint_id=bad)
+
+    class Broken(Checkpointable):
+        def __get_tensor_shard__(self, index):
+            raise KeyError(index)
+
+    with pytest.raises(dcp.CheckpointError,
+                       match="'b': Broken implements torch DCP's checkpointable protocol"):
+        dcp.compat.save({"b": Broken(shards, offsets, _LSW_ROWS)}, checkpoint_id=bad)
+    assert not bad.exists()
+
+
+def _load_several(ctx, name):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ws, rank = ctx.world_size, ctx.rank
+    mesh = init_device_mesh("cpu", (ws,))
+    reader = FileSystemReader(ctx.shared / name)
+    lsw, lsw_shards = _lsw(torch.zeros(_LSW_ROWS), _LSW_LOAD[ws][rank], mesh)
+    cdt_shards, offsets = _rows(torch.zeros(_LSW_ROWS), _LSW_LOAD[ws][rank])
+    target = {"st": _sharded(torch.zeros(_SEV_ROWS), _SEV[ws], rank), "lsw": lsw,
+              "cdt": Checkpointable(cdt_shards, offsets, _LSW_ROWS),
+              "uneven": torch.zeros(7, 2)}
+    dcp.compat.load(target, storage_reader=reader)
+    assert len(target["st"].local_shards()) == 2
+    _assert_sharded(target["st"], _several("st"), f"2 local shards each, at W={ws}")
+    for fqn, shards in (("lsw", lsw_shards), ("cdt", cdt_shards)):
+        for (lo, hi), shard in zip(_LSW_LOAD[ws][rank], shards, strict=True):
+            assert_bitwise_equal(shard, _several(fqn)[lo:hi], f"{fqn} rows {lo}:{hi}")
+    assert_bitwise_equal(target["uneven"], _several("uneven"), "from_local(shape=) as plain")
+
+    # and across kinds: each into 2-shard ShardedTensors and uneven from_local DTensors
+    fqns = ("st", "lsw", "cdt")
+    sts = {f: _sharded(torch.zeros(_SEV_ROWS if f == "st" else _LSW_ROWS),
+                       {2: [[(0, 1), (5, 8)], [(1, 5), (8, 10)]],
+                        4: [[(0, 1), (4, 5)], [(1, 2), (5, 6)], [(2, 3), (6, 7)],
+                            [(3, 4), (7, 10)]]}[ws] if f != "st" else _SEV[ws], rank)
+           for f in fqns}
+    sts["st"] = _sharded(torch.zeros(_SEV_ROWS), {2: [[(0, 5), (7, 8)], [(5, 7)]],
+                                                  4: _SEV[4]}[ws], rank)
+    dcp.compat.load(sts, checkpoint_id=ctx.shared / name)
+    for f in fqns:
+        _assert_sharded(sts[f], _several(f), f"{f} -> ShardedTensor at W={ws}")
+    uneven = {"uneven": _uneven(torch.zeros(7, 2), ws, rank, mesh)}
+    dcp.compat.load(uneven, checkpoint_id=ctx.shared / name)
+    lo = sum(_UNEVEN[ws][:rank])
+    assert_bitwise_equal(uneven["uneven"].to_local(),
+                         _several("uneven")[lo:lo + _UNEVEN[ws][rank]], "uneven DTensor")
+
+    # no targets: dcp.load_keys, and torch's _load_state_dict_from_keys routed to it
+    from torch.distributed.checkpoint import state_dict_loader  # noqa: F401 - torch's module
+
+    got = dcp.load_keys(str(ctx.shared / name), ["st", "cdt"])
+    assert list(got) == ["st", "cdt"], list(got)
+    for f in ("st", "cdt"):
+        assert got[f].device.type == "cpu"
+        assert_bitwise_equal(got[f], _several(f), f"load_keys {f}")
+    assert list(dcp.load_keys(str(ctx.shared / name), prefix="ls")) == ["lsw"]
+    nested = dcp.compat.state_dict_loader._load_state_dict_from_keys(
+        {"lsw", "uneven"}, checkpoint_id=ctx.shared / name)
+    assert sorted(nested) == ["lsw", "uneven"], nested.keys()
+    assert_bitwise_equal(nested["lsw"], _several("lsw"), "_load_state_dict_from_keys")
+    with pytest.raises(RuntimeError, match="select nothing.*'absent'"):
+        dcp.compat.state_dict_loader._load_state_dict_from_keys(
+            "absent", checkpoint_id=ctx.shared / name)
+
+
+class _Gathers:
+    """A Stateful whose load_state_dict all-gathers (torch's test: ``Foo``)."""
+
+    def __init__(self):
+        self.got = None
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        import torch.distributed as dist
+
+        ws = dist.get_world_size()
+        out = [torch.zeros(2, dtype=torch.int64) for _ in range(ws)]
+        dist.all_gather(out, torch.arange(2, dtype=torch.int64) + 1 + 2 * dist.get_rank())
+        self.got = torch.cat(out)
+
+
+class _Reduces:
+    """A Stateful whose load_state_dict all-reduces (torch's test: ``Bar``)."""
+
+    def __init__(self):
+        self.got = None
+
+    def state_dict(self):
+        return {"w": torch.arange(3.0)}
+
+    def load_state_dict(self, state_dict):
+        import torch.distributed as dist
+
+        t = torch.arange(2, dtype=torch.int64) + 1 + 2 * dist.get_rank()
+        dist.all_reduce(t)
+        self.got = (t, state_dict["w"].clone())
+
+
+def _statefuls_with_collectives(ctx):
+    """Statefuls whose load_state_dict runs collectives, under keys in
+    reversed orders on odd ranks (nested too): every rank calls them in one
+    order, so the collectives meet (they crossed, and the job waited for its
+    timeout, when each rank called them in its own dict's order)."""
+    ws, rank = ctx.world_size, ctx.rank
+    path = ctx.dir / "ordered"
+    items = [("A", _Gathers()), ("B", _Reduces()), ("C", {"inner": _Reduces(), "x": 1})]
+    sd = dict(items if rank % 2 == 0 else reversed(items))
+    dcp.compat.save(sd, checkpoint_id=path)
+    dcp.compat.load(sd, checkpoint_id=path)
+    expected = torch.arange(1, 2 * ws + 1, dtype=torch.int64)
+    assert torch.equal(sd["A"].got, expected), sd["A"].got
+    summed = sum(torch.arange(2, dtype=torch.int64) + 1 + 2 * r for r in range(ws))
+    for reduces in (sd["B"], sd["C"]["inner"]):
+        assert torch.equal(reduces.got[0], summed), reduces.got
+        assert_bitwise_equal(reduces.got[1], torch.arange(3.0), "loaded before")
+
+
+def _tutorial_overwrite_loop(ctx):
+    """The DCP tutorial's loop, unchanged but for the import: a save each
+    step over the same folder with ``FileSystemWriter(..., overwrite=True)``
+    (also torch's default), each loaded back exactly; torch's other writer
+    settings mapped or refused by name."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.testing._internal.distributed.checkpoint_utils import Rot13Example
+
+    import dcp.compat as dcp_  # was: import torch.distributed.checkpoint as dcp
+
+    ws = ctx.world_size
+    checkpoint_dir = ctx.dir / "tutorial"
+    model = _fsdp_model(ws, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    for step in range(3):
+        _train(model, optimizer, sched, seed=step, steps=1)
+        state_dict = {"app": AppState(model, optimizer)}
+        writer = (FileSystemWriter(checkpoint_dir, overwrite=True) if step != 1 else
+                  FileSystemWriter(checkpoint_dir, thread_count=2, sync_files=False,
+                                   _extensions=[ZStandard()]))
+        dcp_.save(state_dict, storage_writer=writer)
+        expected = _expected(model, optimizer)
+        model2 = _fsdp_model(ws, seed=9)
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.3)
+        _train(model2, opt2, torch.optim.lr_scheduler.StepLR(opt2, 1), seed=7, steps=1)
+        dcp_.load({"app": AppState(model2, opt2)}, checkpoint_id=checkpoint_dir)
+        _check_expected(model2, opt2, expected, f"tutorial step {step}")
+    files = sorted(p.name for p in checkpoint_dir.iterdir())
+    assert len({f.split(".")[1] for f in files if f.endswith(".data")}) == 1, files  # old gone
+    with pytest.raises(RuntimeError, match="^Checkpoint already exists"):
+        dcp_.save({"app": AppState(model, optimizer)},
+                  storage_writer=FileSystemWriter(checkpoint_dir, overwrite=False))
+    for kwargs, name in ((dict(per_thread_copy_ahead=1), "per_thread_copy_ahead"),
+                         (dict(_extensions=[ZStandard(), Rot13Example()]), "_extensions")):
+        with pytest.raises(dcp.CheckpointError, match=f"FileSystemWriter\\({name}="):
+            dcp_.save({"w": torch.zeros(2)},
+                      storage_writer=FileSystemWriter(ctx.dir / "refused", **kwargs))
+    assert not (ctx.dir / "refused").exists()
+    _check_expected(model2, opt2, expected, "the last step, after the refusals")
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_compat_several_shards_a_rank_saved_at_2(ctx):
+    _save_several(ctx, "several_w2")
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_compat_several_shards_a_rank_resharded_2_to_4(ctx):
+    _load_several(ctx, "several_w2")
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_compat_several_shards_a_rank_saved_at_4(ctx):
+    _save_several(ctx, "several_w4")
+
+
+@dist_scenario(world_size=2, phase=2)
+def test_compat_several_shards_a_rank_resharded_4_to_2(ctx):
+    _load_several(ctx, "several_w4")
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_compat_statefuls_with_collectives_at_2(ctx):
+    _statefuls_with_collectives(ctx)
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_compat_statefuls_with_collectives_at_4(ctx):
+    _statefuls_with_collectives(ctx)
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_compat_tutorial_overwrite_loop(ctx):
+    _tutorial_overwrite_loop(ctx)
+
+
+def test_compat_top_level_values_set_through_the_callers_dict(tmp_path):
+    """Non-Stateful top-level values are set through the caller's
+    ``__setitem__`` after a load (a dict subclass sees it), Statefuls are
+    loaded in place and never replaced: torch's
+    ``test_stateful_and_non_stateful_loads``."""
+
+    class StateDict(dict):
+        def __init__(self):
+            self.set_keys = []
+
+        def __setitem__(self, key, value):
+            self.set_keys.append(key)
+            super().__setitem__(key, value)
+
+    loader = Loader(pos=3)
+    sd = StateDict()
+    sd["loader"] = loader
+    sd.set_keys.clear()
+    dcp.compat.save(sd, checkpoint_id=tmp_path / "a")
+    loader.pos = 0
+    dcp.compat.load(sd, checkpoint_id=tmp_path / "a")
+    assert loader.pos == 3 and sd["loader"] is loader and sd.set_keys == []
+
+    sd = StateDict()
+    inner = {"w": torch.arange(6.0), "n": [1, 2]}
+    sd["foo"], sd["loader"] = inner, Loader(pos=5)
+    dcp.compat.save(sd, checkpoint_id=tmp_path / "b")
+    inner["w"].zero_()
+    sd.set_keys.clear()
+    dcp.compat.load(sd, checkpoint_id=tmp_path / "b")
+    assert sd.set_keys == ["foo"] and sd["foo"] is inner  # filled in place, then set
+    assert_bitwise_equal(inner["w"], torch.arange(6.0), "w")
+
+    sd = StateDict()  # no Stateful at all: torch's second case
+    sd["foo"] = inner
+    dcp.compat.save(sd, checkpoint_id=tmp_path / "c")
+    inner["w"].zero_()
+    sd.set_keys.clear()
+    dcp.compat.load(sd, checkpoint_id=tmp_path / "c")
+    assert sd.set_keys == ["foo"] and sd["foo"] is inner, sd.set_keys
+    assert_bitwise_equal(inner["w"], torch.arange(6.0), "w, no Stateful")
+
+
+def test_compat_errors_are_runtime_errors_in_torch_words(tmp_path):
+    """Code written for torch DCP catches ``RuntimeError`` and matches
+    torch's words: "Cannot detect" for an id no storage plugin serves,
+    "Checkpoint already exists", "Missing key in checkpoint state_dict";
+    each is a dcp.CheckpointError too."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    for call in (lambda: dcp.compat.save({"w": torch.zeros(2)}, checkpoint_id="abc://abc.abc"),
+                 lambda: dcp.compat.load({"w": torch.zeros(2)}, checkpoint_id="abc://abc.abc")):
+        with pytest.raises(RuntimeError, match="^Cannot detect which StorageReader or "
+                                               "StorageWriter to use for 'abc://abc.abc'") as e:
+            call()
+        assert isinstance(e.value, dcp.CheckpointError)
+    dcp.compat.save({"w": torch.arange(2.0)}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(RuntimeError, match="^Checkpoint already exists") as e:
+        dcp.compat.save({"w": torch.zeros(2)},
+                        storage_writer=FileSystemWriter(tmp_path / "c", overwrite=False))
+    assert isinstance(e.value, dcp.CheckpointError)
+    with pytest.raises(RuntimeError, match="^Missing key in checkpoint state_dict.*: v"):
+        dcp.compat.load({"v": torch.zeros(2)}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(dcp.CorruptCheckpointError) as e:  # subclasses keep their kind
+        (tmp_path / "c" / "metadata.json").write_text("{")
+        dcp.compat.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "c")
+    assert isinstance(e.value, RuntimeError)
+    target = {"w": torch.zeros(2)}
+    with pytest.raises(dcp.NotACheckpointError):
+        dcp.load(target, str(tmp_path / "none"))  # hyperdcp's own API: not RuntimeErrors

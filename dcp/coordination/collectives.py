@@ -221,24 +221,28 @@ _gloo_groups: dict[Any, Any] = {}
 
 def coordination_group(process_group: Any = None) -> Any:
     """``process_group`` (the default group if ``None``) if it runs on gloo,
-    else a gloo group of the same ranks and timeout, made once (only its
-    members take part: ``use_local_synchronization``).  Coordination never
+    else a gloo group of the same ranks and timeout, made once (by every
+    rank for the job's whole group; else only its members take part:
+    ``use_local_synchronization``).  Coordination never
     goes through an accelerator communicator: an object gather over NCCL
     stages every rank's plan in accelerator memory, which is what ran out of
     memory on MoE models in public reports, and needs ``set_device`` on
     every rank.
 
-    torch names a group made this way from its ranks and the number of
+    torch names a subgroup made this way from its ranks and the number of
     groups the calling process holds, so its members call it first holding
     as many groups (as every rank of a job that builds its meshes alike
-    does)."""
+    does; hyperdcp makes no other groups)."""
     if "gloo" in str(dist.get_backend(process_group)):
         return process_group
     group = process_group if process_group is not None else dist.group.WORLD
     if group not in _gloo_groups:
+        # the job's whole group: every rank makes it, under torch's counter of
+        # such groups, the same on every rank; a subgroup: only its members
+        whole = dist.get_world_size(group) == dist.get_world_size()
         _gloo_groups[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                              timeout=group_timeout(group),
-                                             use_local_synchronization=True)
+                                             use_local_synchronization=not whole)
     return _gloo_groups[group]
 
 
@@ -279,27 +283,31 @@ TWO_LEVEL_FROM = 64
 class _Hosts:
     """The hosts of a coordination group: ``hosts`` lists each host's group
     ranks (ascending; hosts in the order of their first rank, the host's
-    *leader*); ``mine`` is this rank's host, ``local`` a gloo group of its
-    ranks (``None`` for a host of one rank) and ``leaders`` one of the
-    leaders (``None`` on other ranks)."""
+    *leader*); ``mine`` is this rank's host."""
 
     hosts: list[list[int]]
     mine: int
-    local: Any
-    leaders: Any
 
 
 #: The host layout of each group, by the group (a group made anew gets its
-#: own), its members' global ranks and this rank's host name (made once: one
-#: all-gather of host names).
-_host_layouts: dict[tuple[Any, tuple[int, ...], str], _Hosts | None] = {}
+#: own) and its members' global ranks: one all-gather of host names, the
+#: first time the group coordinates.  The key holds nothing one rank could
+#: see otherwise than another, so every rank of the group takes the cached
+#: layout, or makes it, at the same call.
+_host_layouts: dict[tuple[Any, tuple[int, ...]], _Hosts | None] = {}
 
 
 def _host_layout(group: Any, rank: int, members: tuple[int, ...], host: str) -> _Hosts | None:
     """``group``'s hosts (one all-gather of ``host`` over it, once per
     group), or ``None`` where a two-level gather gains nothing (one host, or
-    one rank per host)."""
-    cache_key = (dist.group.WORLD if group is None else group, members, host)
+    one rank per host).  No group is made: the two levels run point to
+    point over ``group`` (:meth:`Coordinator._gather_by_host`), since
+    ``torch.distributed.new_group(use_local_synchronization=True)`` names a
+    group from its ranks and the number of groups the calling process
+    holds, which differ between ranks that made different groups before (a
+    host's leader and its other ranks), so that they would wait for each
+    other under different names."""
+    cache_key = (dist.group.WORLD if group is None else group, members)
     if cache_key not in _host_layouts:
         names: list[Any] = [None] * len(members)
         dist.all_gather_object(names, host, group=group)
@@ -309,16 +317,7 @@ def _host_layout(group: Any, rank: int, members: tuple[int, ...], host: str) -> 
         hosts = list(by_host.values())
         layout = None
         if 1 < len(hosts) < len(members):
-            mine = next(h for h, ranks in enumerate(hosts) if rank in ranks)
-            local = None
-            if len(hosts[mine]) > 1:  # only the host's members make its group
-                local = dist.new_group([members[r] for r in hosts[mine]], backend="gloo",
-                                       use_local_synchronization=True)
-            leaders = None
-            if rank == hosts[mine][0]:
-                leaders = dist.new_group([members[h[0]] for h in hosts], backend="gloo",
-                                         use_local_synchronization=True)
-            layout = _Hosts(hosts, mine, local, leaders)
+            layout = _Hosts(hosts, next(h for h, ranks in enumerate(hosts) if rank in ranks))
         _host_layouts[cache_key] = layout
     return _host_layouts[cache_key]
 
@@ -388,24 +387,17 @@ class Coordinator(CoordinatorBase):
         hosts = self.hosts
         assert hosts is not None
         ranks = hosts.hosts[hosts.mine]
-        leader = self.rank == ranks[0]
-        here: list[Any] | None = [payload]
-        if hosts.local is not None:
-            here = [None] * len(ranks) if leader else None
-            dist.gather_object(payload, here, group=hosts.local, group_dst=0)
-        if here is None:
+        if self.rank != ranks[0]:  # to the host's leader, which takes them in rank order
+            dist.send_object_list([payload], group=self.group, group_dst=ranks[0])
             return None
+        here = [payload, *(self._receive(r) for r in ranks[1:])]
         if self.is_coordinator:
             self._count(here)
-        bundled: Any = here
-        if self.is_coordinator:
-            bundled = b""  # its own host's parts stay here
-        elif all(isinstance(p, bytes) for p in here):
-            bundled = wire.bundle(here)
-        bundles: list[Any] | None = [None] * len(hosts.hosts) if self.is_coordinator else None
-        dist.gather_object(bundled, bundles, group=hosts.leaders, group_dst=0)
-        if bundles is None:
+        else:
+            bundled = wire.bundle(here) if all(isinstance(p, bytes) for p in here) else here
+            dist.send_object_list([bundled], group=self.group, group_dst=0)
             return None
+        bundles = [b"", *(self._receive(h[0]) for h in hosts.hosts[1:])]  # its own host's stay
         self._count(bundles[1:])
         out: list[Any] = [None] * self.world_size
         for h, (members, got) in enumerate(zip(hosts.hosts, bundles, strict=True)):
@@ -421,6 +413,12 @@ class Coordinator(CoordinatorBase):
             for r, part in zip(members, parts, strict=True):
                 out[r] = part
         return out
+
+    def _receive(self, src: int) -> Any:
+        """The object group rank ``src`` sends this rank."""
+        box: list[Any] = [None]
+        dist.recv_object_list(box, group=self.group, group_src=src)
+        return box[0]
 
     def _gather(self, step, phase, obj):
         if not self.distributed:

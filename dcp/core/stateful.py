@@ -17,8 +17,14 @@ planning, so the planners and the metadata only ever see plain state dicts:
 * On load, those ``state_dict()`` results are the targets, filled in place
   (their tensors) or replaced (their plain values); once every read has
   finished, :meth:`Resolved.finish` writes the replaced plain values back
-  into the caller's containers and calls each Stateful's
-  ``load_state_dict()`` with its loaded values, innermost first.
+  into the caller's containers, sets every top-level value that is not a
+  Stateful through the caller's own ``__setitem__`` (as torch DCP does: a
+  ``dict`` subclass sees the load), and calls each Stateful's
+  ``load_state_dict()`` with its loaded values, innermost first and
+  otherwise in the order of their fqns, which every rank shares: a
+  ``load_state_dict()`` that runs collectives (an all-gather, an
+  all-reduce) meets the same one on every rank, whatever order each rank's
+  dict holds its keys in (torch DCP sorts the top-level keys).
 
 A value is Stateful when it has callable ``state_dict`` and
 ``load_state_dict`` attributes and is not a tensor leaf — the same test as
@@ -57,6 +63,7 @@ class _Found:
     obj: Any
     container: Any
     key: Any
+    depth: int = 0
 
 
 @dataclass
@@ -71,14 +78,17 @@ class Resolved:
     """
 
     state_dict: dict
+    root: Any = None
     statefuls: list[_Found] = field(default_factory=list)
     substituted: list[_Found] = field(default_factory=list)
     copies: list[tuple[Any, Any]] = field(default_factory=list)
 
     def finish(self) -> None:
         """After a load: write the plain values a load replaced in copied
-        containers back into the caller's, then call every Stateful's
-        ``load_state_dict()`` with its loaded state dict, innermost first.
+        containers back into the caller's, set the caller's top-level
+        values that are not Statefuls through its ``__setitem__``, then
+        call every Stateful's ``load_state_dict()`` with its loaded state
+        dict, innermost first, then by fqn (the same order on every rank).
 
         Raises :class:`CheckpointError` naming the fqn if a
         ``load_state_dict()`` raises.
@@ -98,7 +108,12 @@ class Resolved:
         for found in self.substituted:
             if not isinstance(found.container, tuple):
                 found.container[found.key] = found.obj
-        for found in self.statefuls:
+        if isinstance(self.state_dict, dict) and (
+                self.root is None or self.root is self.state_dict):
+            # the caller's dict was not copied (copied ones were set above)
+            for key in list(self.state_dict):
+                self.state_dict[key] = self.state_dict[key]
+        for found in sorted(self.statefuls, key=lambda f: (-f.depth, f.fqn)):
             try:
                 found.obj.load_state_dict(found.container[found.key])
             except CheckpointError:
@@ -131,15 +146,17 @@ def resolve(state_dict: Any, is_tensor: Callable[[Any], bool],
     raises or returns something other than a dict; what ``substitute``
     raises.
     """
-    out = Resolved(state_dict)
-    out.state_dict = _walk(state_dict, "", out, is_tensor, prepare, substitute)
+    out = Resolved(state_dict, root=state_dict)
+    out.state_dict = _walk(state_dict, "", out, is_tensor, prepare, substitute, 1)
     return out
 
 
 def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
-          prepare: Callable[[Any], None] | None, substitute: Substitute | None) -> Any:
-    """``value`` with its Statefuls resolved and its leaves substituted:
-    ``value`` itself if none changed, else a copy of it."""
+          prepare: Callable[[Any], None] | None, substitute: Substitute | None,
+          depth: int) -> Any:
+    """``value`` (``depth`` containers below the root, which is 1) with its
+    Statefuls resolved and its leaves substituted: ``value`` itself if none
+    changed, else a copy of it."""
     if isinstance(value, dict):
         items = list(value.items())
     elif isinstance(value, (list, tuple)):
@@ -172,10 +189,10 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
                 raise CheckpointError(
                     f"{path!r}: {type(child).__name__}.state_dict() returned a "
                     f"{type(sd).__name__}, not a dict")
-            new[key] = _walk(sd, path, out, is_tensor, prepare, substitute)
+            new[key] = _walk(sd, path, out, is_tensor, prepare, substitute, depth + 1)
             found.append((key, child, path))
         else:
-            resolved = _walk(child, path, out, is_tensor, prepare, substitute)
+            resolved = _walk(child, path, out, is_tensor, prepare, substitute, depth + 1)
             if resolved is not child:
                 new[key] = resolved
     if not new:
@@ -189,7 +206,7 @@ def _walk(value: Any, fqn: str, out: Resolved, is_tensor,
             copy = type(value)(copy) if type(value) is tuple else tuple(copy)
     out.copies.append((value, copy))
     for key, child, path in found:
-        out.statefuls.append(_Found(path, child, copy, key))
+        out.statefuls.append(_Found(path, child, copy, key, depth))
     for key, child, path in swapped:
         out.substituted.append(_Found(path, child, copy, key))
     return copy

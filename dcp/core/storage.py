@@ -414,6 +414,18 @@ def installed_schemes() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def plugin_name(checkpoint_id: str) -> str:
+    """The name of the storage plugin that serves ``checkpoint_id``: its
+    scheme, or the generic fsspec plugin's for a scheme only fsspec knows
+    (the scheme itself, not installed, if none serves it)."""
+    scheme = scheme_of(checkpoint_id)
+    plugins = installed_schemes()
+    if (scheme not in plugins and FSSPEC_FALLBACK in plugins
+            and scheme in fsspec.available_protocols()):
+        return FSSPEC_FALLBACK
+    return scheme
+
+
 def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     """Instantiate the plugin registered for ``checkpoint_id``'s scheme
     (the id normalised, or refused, by :func:`checkpoint_uri`).
@@ -426,11 +438,8 @@ def open_storage(checkpoint_id: str, **options) -> StoragePlugin:
     value), naming them.
     """
     checkpoint_id = checkpoint_uri(checkpoint_id)
-    scheme = scheme_of(checkpoint_id)
+    scheme = plugin_name(checkpoint_id)
     plugins = installed_schemes()
-    if (scheme not in plugins and FSSPEC_FALLBACK in plugins
-            and scheme in fsspec.available_protocols()):
-        scheme = FSSPEC_FALLBACK
     if scheme not in plugins:
         hint = f"; install {INSTALL_HINTS[scheme]} for it" if scheme in INSTALL_HINTS else ""
         raise CheckpointError(

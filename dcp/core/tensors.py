@@ -39,22 +39,20 @@ from __future__ import annotations
 import copy
 import functools
 import io
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcp.core import devices
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.errors import CheckpointError, UnsupportedDtypeError
-
-if TYPE_CHECKING:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
@@ -90,26 +88,6 @@ class LocalChunk:
 def is_tensor(value: Any) -> bool:
     """True for leaves this adapter describes (tensors, DTensors, shards)."""
     return isinstance(value, (torch.Tensor, TensorShard))
-
-
-def _loaded(module: str, name: str) -> type | None:
-    """The class ``module.name`` if ``module`` is loaded, else ``None``.  A
-    value is an instance of a class only if its module was imported, so a
-    job without DTensors never pays for ``torch.distributed.tensor`` (0.7 s
-    of imports; the MindSpore adapter's rule: a value counts as MindSpore's
-    only when ``mindspore`` is in ``sys.modules``)."""
-    return getattr(sys.modules.get(module), name, None)
-
-
-def _is_dtensor(value: Any) -> bool:
-    cls = _loaded("torch.distributed.tensor", "DTensor")
-    return cls is not None and isinstance(value, cls)
-
-
-def _is_sharded(value: Any) -> bool:
-    """A ``ShardedTensor`` (FSDP1, torchrec)."""
-    cls = _loaded("torch.distributed._shard.sharded_tensor", "ShardedTensor")
-    return cls is not None and isinstance(value, cls)
 
 
 def init_optimizer_state(value: Any) -> None:
@@ -213,69 +191,173 @@ def pickle_globals() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def describe(fqn: str, value: Any) -> LocalChunk:
-    """Describe a tensor-like leaf as the box this rank holds.
+    """Describe a tensor-like leaf held as one box on this rank.
 
-    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype or
-    a :class:`TensorShard` whose box lies outside its global shape.
+    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype,
+    a :class:`TensorShard` or DTensor whose box lies outside its global
+    shape, or a leaf this rank holds several boxes of (a ``ShardedTensor``
+    with several local shards, a checkpointable tensor: see
+    :func:`load_chunks`).
     """
-    if _is_sharded(value):
-        shards = value.local_shards()
-        if len(shards) > 1:
-            raise CheckpointError(
-                f"{fqn!r}: this rank holds {len(shards)} local shards of the ShardedTensor; a "
-                f"load target may hold one at most (save handles any number)")
-        return _sharded_chunks(fqn, value)[0]
-    if _is_dtensor(value) and not _on_mesh(value):
-        # not on this rank's mesh: an empty box, or a scratch scalar for a 0-d tensor
-        shape = tuple(value.shape)
-        sizes = (0, *shape[1:]) if shape else ()
-        return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
-                          torch.empty(sizes, dtype=value.dtype))
-    if _is_dtensor(value):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    chunks = load_chunks(fqn, value)
+    if len(chunks) != 1:
+        raise CheckpointError(f"{fqn!r}: this rank holds {len(chunks)} boxes of it, not one")
+    return chunks[0]
 
+
+def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
+    """Every box this rank holds of a tensor-like leaf, as load targets
+    filled in place: one for most leaves, one per local shard of a
+    ``ShardedTensor`` or of a checkpointable tensor (:func:`_checkpointable`),
+    an empty box for a DTensor whose mesh does not contain this rank (or a
+    leaf with no local shard here).
+
+    Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype
+    or a box outside the global shape.
+    """
+    if isinstance(value, ShardedTensor):
+        return _sharded_chunks(fqn, value)
+    if isinstance(value, DTensor) and not _on_mesh(value):
+        return [_empty_chunk(fqn, value)]
+    if _is_checkpointable(value):
+        return _checkpointable(fqn, value, save=False) or [_empty_chunk(fqn, value)]
+    return [_one_chunk(fqn, value)]
+
+
+def _one_chunk(fqn: str, value: Any) -> LocalChunk:
+    """The one box of a tensor, DTensor or :class:`TensorShard`."""
+    if isinstance(value, DTensor):
         local = value._local_tensor
         global_shape = tuple(value.shape)
         sizes, offsets = compute_local_shape_and_global_offset(
             value.shape, value.device_mesh, value.placements)
-        sizes, offsets = tuple(sizes), tuple(offsets)
-        if tuple(local.shape) != sizes:
-            raise CheckpointError(
-                f"{fqn!r}: DTensor local shape {tuple(local.shape)} does not match the "
-                f"shape {sizes} its placements {value.placements} give")
+        # torch's placement arithmetic gives the offsets; the local tensor its
+        # real shape (DTensor.from_local(..., shape=, stride=) may shard
+        # unevenly in a way the placements do not say); the save's coverage
+        # check refuses boxes that then do not tile the global shape
+        sizes, offsets = tuple(local.shape), tuple(offsets)
         if 0 in sizes:  # an empty shard: its offsets may lie past the end
             offsets = (0,) * len(sizes)
+        _check_box(fqn, "DTensor", sizes, offsets, global_shape)
         return LocalChunk(global_shape, dtype_name(local.dtype, fqn), offsets, sizes, local)
     if isinstance(value, TensorShard):
         data = value.data
         global_shape = tuple(int(d) for d in value.global_shape)
         offsets = tuple(int(o) for o in value.global_offsets)
         sizes = tuple(data.shape)
-        if not (len(global_shape) == len(offsets) == len(sizes)) or any(
-                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
-            raise CheckpointError(
-                f"{fqn!r}: TensorShard of shape {sizes} at offsets {offsets} does not fit "
-                f"global shape {global_shape}")
+        _check_box(fqn, "TensorShard", sizes, offsets, global_shape)
         return LocalChunk(global_shape, dtype_name(data.dtype, fqn), offsets, sizes, data)
     shape = tuple(value.shape)
     return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), shape, value)
 
 
+def _check_box(fqn: str, kind: str, sizes: tuple[int, ...], offsets: tuple[int, ...],
+               global_shape: tuple[int, ...]) -> None:
+    if not (len(global_shape) == len(offsets) == len(sizes)) or any(
+            o < 0 or o + s > g for o, s, g in zip(offsets, sizes, global_shape, strict=True)):
+        raise CheckpointError(
+            f"{fqn!r}: {kind} of shape {sizes} at offsets {offsets} does not fit "
+            f"global shape {global_shape}")
+
+
+def _empty_chunk(fqn: str, value: Any) -> LocalChunk:
+    """An empty box of a leaf's global shape (a scratch scalar for a 0-d
+    one): what a rank holding none of it asks a load for."""
+    shape = tuple(value.shape)
+    sizes = (0, *shape[1:]) if shape else ()
+    return LocalChunk(shape, dtype_name(value.dtype, fqn), (0,) * len(shape), sizes,
+                      torch.empty(sizes, dtype=value.dtype))
+
+
 def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
     """Every box this rank holds of a tensor-like leaf, to be saved: one for
-    most leaves, one per local shard of a ``ShardedTensor``, none for a
-    DTensor whose mesh does not contain this rank.
+    most leaves, one per local shard of a ``ShardedTensor`` or of a
+    checkpointable tensor, none for a DTensor whose mesh does not contain
+    this rank.
 
     Raises :class:`CheckpointError` naming ``fqn`` for a tensor on the meta
-    device (it holds no values), besides :func:`describe`'s errors.
+    device (it holds no values), besides :func:`load_chunks`' errors.
     """
     if is_meta(value):
         raise CheckpointError(f"{fqn!r} is on the meta device: it holds no values to save")
-    if _is_sharded(value):
+    if isinstance(value, ShardedTensor):
         return _sharded_chunks(fqn, value)
-    if _is_dtensor(value) and not _on_mesh(value):
+    if isinstance(value, DTensor) and not _on_mesh(value):
         return []
-    return [describe(fqn, value)]
+    if _is_checkpointable(value):
+        return _checkpointable(fqn, value, save=True)
+    return [_one_chunk(fqn, value)]
+
+
+#: torch DCP's protocol of tensors that describe their own chunks
+#: (``torch/distributed/checkpoint/planner_helpers.py``, ``utils.py``).
+_PROTOCOL = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+
+
+def _is_checkpointable(value: Any) -> bool:
+    """Whether a leaf describes its own chunks through torch's protocol: a
+    tensor subclass implementing it (torch's test type
+    ``CheckpointableDistTensor``), or a DTensor whose local tensor does
+    (``LocalShardsWrapper``: TorchRec's sharded embedding tables, several
+    shards on a rank).  A plain DTensor has the methods too, over its
+    placements: it is described by them here instead."""
+    holder = value._local_tensor if isinstance(value, DTensor) else value
+    return any(hasattr(holder, name) for name in _PROTOCOL) and not isinstance(
+        holder, DTensor)
+
+
+def _checkpointable(fqn: str, value: Any, save: bool) -> list[LocalChunk]:
+    """The boxes of a checkpointable leaf: on save those its
+    ``__create_write_items__`` names, on load those its
+    ``__create_chunk_list__`` names, each one's tensor from
+    ``__get_tensor_shard__`` (filled in place on load).
+
+    Raises :class:`CheckpointError` naming ``fqn`` and the protocol for a
+    leaf that implements it in part, raises inside it, or returns boxes
+    that are no tensor shards or do not fit (before any I/O).
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    holder: Any = value._local_tensor if isinstance(value, DTensor) else value
+    what = (f"{fqn!r}: {type(holder).__name__} implements torch DCP's checkpointable protocol "
+            f"({', '.join(_PROTOCOL)})")
+    absent = [name for name in _PROTOCOL if not hasattr(holder, name)]
+    if absent:
+        raise CheckpointError(f"{what} only in part: it lacks {', '.join(absent)}")
+    global_shape = tuple(value.shape)
+    chunks = []
+    try:
+        if save:
+            boxes = []
+            for item in holder.__create_write_items__(fqn, holder):
+                if item.type not in (WriteItemType.SHARD, WriteItemType.TENSOR) or (
+                        item.tensor_data is None):
+                    raise CheckpointError(f"{what}, and gives a {item.type.name} write item: "
+                                          f"only tensor shards are supported")
+                boxes.append((item.tensor_data.chunk, item.index))
+        else:
+            boxes = [(c, MetadataIndex(fqn, c.offsets, i))
+                     for i, c in enumerate(holder.__create_chunk_list__())]
+        for chunk, index in boxes:
+            data = holder.__get_tensor_shard__(index)
+            offsets = tuple(int(o) for o in chunk.offsets)
+            sizes = tuple(int(s) for s in chunk.sizes)
+            if not isinstance(data, torch.Tensor) or tuple(data.shape) != sizes:
+                raise CheckpointError(
+                    f"{what}, and its shard at offsets {offsets} is a "
+                    f"{type(data).__name__} of shape {tuple(getattr(data, 'shape', ()))}, "
+                    f"not a tensor of its chunk's sizes {sizes}")
+            if 0 in sizes:
+                offsets = (0,) * len(sizes)
+            _check_box(fqn, "a checkpointable shard", sizes, offsets, global_shape)
+            chunks.append(LocalChunk(global_shape, dtype_name(data.dtype, fqn), offsets, sizes,
+                                     data))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what}, which raised {type(e).__name__}: {e}") from e
+    return chunks
 
 
 def _on_mesh(value: DTensor) -> bool:
@@ -287,7 +369,6 @@ def _sharded_chunks(fqn: str, value: ShardedTensor) -> list[LocalChunk]:
     has none here); raises :class:`CheckpointError` naming ``fqn`` for a
     shard that does not fit the global shape or its own metadata."""
     global_shape = tuple(value.size())
-    dtype = dtype_name(value.dtype, fqn)
     chunks = []
     for shard in value.local_shards():
         sizes = tuple(int(s) for s in shard.metadata.shard_sizes)
@@ -301,20 +382,16 @@ def _sharded_chunks(fqn: str, value: ShardedTensor) -> list[LocalChunk]:
             offsets = (0,) * len(sizes)
         chunks.append(LocalChunk(global_shape, dtype_name(shard.tensor.dtype, fqn), offsets,
                                  sizes, shard.tensor))
-    if not chunks:
-        sizes = (0, *global_shape[1:]) if global_shape else ()
-        chunks.append(LocalChunk(global_shape, dtype, (0,) * len(global_shape), sizes,
-                                 torch.empty(sizes, dtype=value.dtype)))
-    return chunks
+    return chunks or [_empty_chunk(fqn, value)]
 
 
 def is_meta(value: Any) -> bool:
     """Whether a tensor-like leaf's values live on the meta device (none)."""
     if isinstance(value, TensorShard):
         value = value.data
-    if _is_sharded(value):
+    if isinstance(value, ShardedTensor):
         return any(s.tensor.is_meta for s in value.local_shards())
-    if _is_dtensor(value):
+    if isinstance(value, DTensor):
         return value._local_tensor.is_meta
     return isinstance(value, torch.Tensor) and value.is_meta
 
@@ -326,7 +403,7 @@ def _materialize_device(value: Any, device: Any) -> torch.device:
     if device is not None:
         return torch.device(device)
     current = devices.current_device()
-    if current is None or (_is_dtensor(value)
+    if current is None or (isinstance(value, DTensor)
                            and value.device_mesh.device_type != current.type):
         return torch.device("cpu")
     return current
@@ -344,10 +421,10 @@ def materialize(value: Any, dtype: str, device: Any = None) -> Any:
     if isinstance(value, TensorShard):
         return TensorShard(torch.empty(tuple(value.data.shape), dtype=dt, device=device),
                            value.global_shape, value.global_offsets)
-    if _is_sharded(value):
+    if isinstance(value, ShardedTensor):
         from torch.distributed import _remote_device
         from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor import Shard
 
         def placed(m: ShardMetadata) -> ShardMetadata:
             rank = m.placement.rank() if m.placement is not None else None
@@ -361,9 +438,7 @@ def materialize(value: Any, dtype: str, device: Any = None) -> Any:
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)
-    if _is_dtensor(value):
-        from torch.distributed.tensor import DTensor
-
+    if isinstance(value, DTensor):
         local = torch.empty(tuple(value._local_tensor.shape), dtype=dt, device=device)
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
@@ -378,9 +453,10 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     their coordinates on ``Replicate`` mesh dimensions; a :class:`TensorShard`
     counts as held by this rank alone (its replicas are not knowable), as
     does a ``ShardedTensor``'s shard (shards are disjoint)."""
-    if isinstance(value, TensorShard) or _is_sharded(value):
+    if isinstance(value, (TensorShard, ShardedTensor)) or (
+            _is_checkpointable(value) and not isinstance(value, DTensor)):
         return 0, 1
-    if _is_dtensor(value):
+    if isinstance(value, DTensor):
         mesh = value.device_mesh
         coordinate: Sequence[int] = mesh.get_coordinate() or ()
         index, count = 0, 1

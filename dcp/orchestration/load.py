@@ -40,7 +40,7 @@ import os
 import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -198,10 +198,10 @@ class _Load:
         self.leaves = flatten(self.state_dict, tensors.is_tensor)
         for fqn, leaf in self.leaves.items():
             if tensors.is_tensor(leaf.value):
-                chunk = tensors.describe(fqn, leaf.value)
-                self.targets.append(chunk)
-                self.requests.append(ReadRequest(fqn, chunk.offsets, chunk.sizes,
-                                                 chunk.global_shape, chunk.dtype))
+                for chunk in tensors.load_chunks(fqn, leaf.value):  # several: local shards
+                    self.targets.append(chunk)
+                    self.requests.append(ReadRequest(fqn, chunk.offsets, chunk.sizes,
+                                                     chunk.global_shape, chunk.dtype))
             else:
                 self.objects.append(fqn)
         plan = self.planner.create_local_plan(
@@ -922,6 +922,19 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
             that passed different checkpoint ids (naming each), or a
             failure on another rank (naming it).
     """
+    return _run(state_dict, checkpoint_id, None, strict=strict,
+                allow_dtype_cast=allow_dtype_cast, allow_pickle=allow_pickle, planner=planner,
+                storage=storage, process_group=process_group, storage_options=storage_options,
+                max_inflight_bytes=max_inflight_bytes, verify=verify, host=host, device=device)
+
+
+def _run(state_dict: dict, checkpoint_id: str, fill: Callable[[Metadata], None] | None, *,
+         strict: bool, allow_dtype_cast: bool, allow_pickle: bool,
+         planner: LoadPlanner | None, storage: StoragePlugin | None, process_group,
+         storage_options: dict | None, max_inflight_bytes: int, verify: str,
+         host: str | None, device: Any) -> LoadReport:
+    """:func:`load`'s phases; ``fill(metadata)``, if given, adds the targets
+    to ``state_dict`` once the metadata is known (:func:`load_keys`)."""
     pending.wait(str(checkpoint_id))  # this process's save in flight to it, if any
     coordinator = Coordinator(process_group)
     if storage is None:
@@ -931,8 +944,66 @@ def load(state_dict: dict, checkpoint_id: str, *, strict: bool = True,
     prepared = targets.Targets(state_dict, device)
     job = _Load(prepared.state_dict, storage, planner, coordinator, strict, allow_dtype_cast,
                 allow_pickle, max_inflight_bytes, verify, host)
-    job.before_planning = prepared.before_planning
+
+    def before_planning(metadata: Metadata | None) -> None:
+        if fill is not None and metadata is not None:
+            fill(metadata)
+        prepared.before_planning(metadata)
+
+    job.before_planning = before_planning
     with gc_paused():
         report = job.run(str(checkpoint_id))
     prepared.finish(report)
     return report
+
+
+def load_keys(checkpoint_id: str, keys: str | Iterable[str] | None = None,
+              prefix: str | None = None, *, allow_pickle: bool = False,
+              process_group=None, storage_options: dict | None = None,
+              verify: str = "chunks") -> dict[str, Any]:
+    """Load entries of a checkpoint without a state dict to fill: a model
+    without its optimizer, one optimizer's state, a value or two.
+
+    Returns a flat dict ``{fqn: value}`` in the checkpoint's order: each
+    tensor whole, a new contiguous CPU tensor of its saved shape and dtype;
+    each other value as :func:`load` gives it (``bytes`` and
+    ``io.BytesIO`` as saved, JSON tuples as lists).  ``keys`` (one fqn or
+    several) selects the fqns equal to a key or below it (``"optim.state"``
+    selects ``optim.state.0.exp_avg``); ``prefix`` the fqns starting with
+    it; both: the fqns both select; neither: every fqn.  In a process group
+    the call is collective and every rank gets every value (a region is
+    read from storage once per host or group and passed on, as for
+    :func:`load`).  PyTorch DCP's private ``_load_state_dict_from_keys``
+    does this for its own checkpoints (``dcp.compat`` routes it here).
+
+    Raises:
+        NotACheckpointError: nothing committed at ``checkpoint_id``.
+        CheckpointError: a key that selects nothing (naming it), a value
+            saved pickled without ``allow_pickle=True``, or what
+            :func:`load` raises (a corrupted chunk, naming it).
+    """
+    wanted = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    out: dict[str, Any] = {}
+
+    def selects(fqn: str, key: str) -> bool:
+        return fqn == key or fqn.startswith(f"{key}.")
+
+    def fill(metadata: Metadata) -> None:
+        fqns = [f for f in metadata.fqns() if prefix is None or f.startswith(prefix)]
+        if wanted is not None:
+            unmatched = [k for k in wanted if not any(selects(f, k) for f in fqns)]
+            if unmatched:
+                raise CheckpointError(
+                    f"load_keys: {len(unmatched)} key(s) select nothing in {checkpoint_id!r}"
+                    f"{f' under the prefix {prefix!r}' if prefix else ''}: "
+                    f"{', '.join(map(repr, unmatched))}")
+            fqns = [f for f in fqns if any(selects(f, k) for k in wanted)]
+        for fqn in fqns:
+            saved = metadata.tensors.get(fqn)
+            out[fqn] = None if saved is None else tensors.empty_host(saved.shape, saved.dtype)
+
+    _run(out, checkpoint_id, fill, strict=True, allow_dtype_cast=False,
+         allow_pickle=allow_pickle, planner=None, storage=None, process_group=process_group,
+         storage_options=storage_options, max_inflight_bytes=256 << 20, verify=verify,
+         host=None, device=None)
+    return out
