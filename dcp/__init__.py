@@ -30,7 +30,9 @@ from dcp.core.tensors import TensorShard
 from dcp.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    MemoryTierError,
     NotACheckpointError,
+    SilentDataCorruptionError,
     UnsupportedDtypeError,
 )
 from dcp.manager import (
@@ -50,12 +52,14 @@ from dcp.manager import (
     SumOf,
 )
 from dcp.orchestration.load import LoadReport, load, read_metadata
+from dcp.recovery import MemoryTier, RestoreReport
 from dcp.orchestration.save import save
 
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",
     "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
-    "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
+    "NotACheckpointError", "UnsupportedDtypeError", "MemoryTier", "RestoreReport",
+    "MemoryTierError", "SilentDataCorruptionError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters",
     "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",

@@ -57,7 +57,12 @@ from dcp.asynchronous.async_save import AsyncSaveResponse, async_save
 from dcp.coordination.collectives import coordination_group
 from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    SilentDataCorruptionError,
+)
 from dcp.manager import per_rank, rng
 from dcp.manager.per_rank import PerRank
 from dcp.manager.policies import (
@@ -83,6 +88,10 @@ from dcp.manager.steps import (
 from dcp.orchestration.inventory import remove_empty_folder
 from dcp.orchestration.load import load, read_metadata
 from dcp.orchestration.save import save as sync_save
+from dcp.recovery import restore
+from dcp.recovery.hosts import TierGroup
+from dcp.recovery.snapshot import MemorySave, Snapshotter, persist_view
+from dcp.recovery.tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +152,12 @@ class CheckpointManager:
         model_key: the key of the model in the state (initial load, export).
         export_dtype: the dtype :meth:`export` casts floating tensors to.
         blocking_staging, timeout: as for :func:`dcp.async_save`.
+        memory: a host-memory tier (:class:`dcp.recovery.MemoryTier`): a
+            memory step every ``memory.interval`` steps, with copies on
+            other hosts; the steps ``interval`` (the save policy) picks are
+            then persisted from host memory once their memory step
+            committed, and :meth:`load_latest` restores from memory first
+            ([recovery.md](docs/recovery.md)).  Needs a process group.
     """
 
     def __init__(self, root: str | os.PathLike[str], interval: int = 500, keep_latest: int = 3,
@@ -156,7 +171,7 @@ class CheckpointManager:
                  exclude_from_loading: tuple[str, ...] = (),
                  initial_load_path: str | None = None, model_key: str = "model",
                  export_dtype: torch.dtype | None = None, blocking_staging: bool = True,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, memory: MemoryTier | None = None) -> None:
         self.root = checkpoint_uri(str(root))
         self.storage_options = dict(storage_options or {})
         if coordination not in ("gloo", "file"):
@@ -200,6 +215,20 @@ class CheckpointManager:
         else:
             self.rank, self.world_size, self._src, self._cpu_group = 0, 1, 0, None
         self.dp_rank, self.dp_degree = data_parallel or (self.rank, self.world_size)
+        self.memory = memory
+        self._tier: TierGroup | None = None
+        self._snapshots: Snapshotter | None = None
+        self._memory_save: MemorySave | None = None
+        #: where the last :meth:`load_latest` from the memory tier took its bytes
+        self.last_restore: restore.RestoreReport | None = None
+        #: the last memory step's stall and background seconds, on this rank
+        self.last_memory_save: MemorySave | None = None
+        if memory is not None:
+            if not self.distributed:
+                raise CheckpointError(f"{self.root!r}: the memory tier needs torch.distributed "
+                                      f"initialized (its copies go to other hosts' ranks)")
+            self._tier = TierGroup(memory, self.root, process_group)
+            self._snapshots = Snapshotter(self._tier)
 
         self.preempted = False
         self._sigterm = False
@@ -232,8 +261,17 @@ class CheckpointManager:
         return self._in_flight[0]
 
     def steps(self) -> list[int]:
-        """The complete steps under the root, ascending (one listing; a
-        root that cannot be listed, a missing bucket, raises naming it)."""
+        """The complete steps, ascending: those under the root (one listing;
+        a root that cannot be listed, a missing bucket, raises naming it)
+        and, with a memory tier, the memory steps committed on this host."""
+        return sorted(set(self.persistent_steps()) | set(self.memory_steps()))
+
+    def memory_steps(self) -> list[int]:
+        """The memory steps committed (and trusted) on this rank's host."""
+        return self._tier.store.steps() if self._tier is not None else []
+
+    def persistent_steps(self) -> list[int]:
+        """The complete steps under the root, ascending."""
         try:
             names = self._storage.list_files()
         except CheckpointError:
@@ -281,9 +319,17 @@ class CheckpointManager:
         self._check_state(state)
         preempted, forced = self._agree([int(self._sigterm), int(force)])
         ctx = SaveContext(step, bool(forced), bool(preempted))
-        if not self.save_policy.should_save(ctx):
+        persist = self.save_policy.should_save(ctx)
+        in_memory = self.memory is not None and step % self.memory.interval == 0
+        if not (persist or in_memory):
+            self._raise_corruption()
             return False
         self._check_newer(step)
+        if in_memory and not (preempted and self.save_on_preemption):
+            if self._last_saved == step:
+                return False
+            self._save_memory(step, state, metrics, persist)
+            return True
         if preempted and self.save_on_preemption:  # last words: now, synchronously
             if self._last_saved != step:
                 self._save(step, state, metrics, asynchronous=False)
@@ -433,6 +479,7 @@ class CheckpointManager:
             step, _response, done = self._in_flight
             done.wait()
             self._in_flight = None
+        self._wait_memory()
         with self._lock:
             retention = self._retention
         if retention is not None:
@@ -440,6 +487,90 @@ class CheckpointManager:
         for e in self.errors[self._warned:]:
             warnings.warn(str(e), CheckpointWarning, stacklevel=2)
         self._warned = len(self.errors)
+        self._raise_corruption()
+
+    # ---------------------------------------------------------- memory tier
+    def _save_memory(self, step: int, state: dict, metrics: dict | None, persist: bool) -> None:
+        """Memory step ``step``: staged now, committed in the background;
+        with ``persist``, then written from host memory to the root."""
+        self.wait()  # one memory step in flight, and its outcome known
+        assert self._snapshots is not None and self._tier is not None
+        composed = self._compose(step, state, metrics)
+        self._last_saved = step
+        if persist:
+            self._set_newest(step)
+            self._metrics[step] = dict(metrics or {})
+        tier = self._tier
+
+        def persist_step(saved: int, info: dict) -> None:
+            view = persist_view(tier, saved, info)
+            name = NamePointer(self.root, saved, self.storage_options)
+            try:
+                sync_save(view, self.step_uri(saved), process_group=tier.group,
+                          storage_options=self.storage_options, before_commit=name)
+            except CheckpointError as e:
+                raise CheckpointError(f"step {saved}: persisting the memory step to "
+                                      f"{self.step_uri(saved)!r} failed: {e}") from e
+            self._committed()
+
+        self._memory_save = self._snapshots.start(step, composed,
+                                                  persist_step if persist else None)
+        self.last_memory_save = self._memory_save
+
+    def _wait_memory(self) -> None:
+        ms, self._memory_save = self._memory_save, None
+        if ms is None:
+            return
+        ms.wait()
+        if ms.error is None:
+            return
+        if isinstance(ms.error, SilentDataCorruptionError):
+            self._corruption = ms.error
+        else:
+            self.errors.append(CheckpointError(f"step {ms.step}: {ms.error}"))
+
+    _corruption: SilentDataCorruptionError | None = None
+
+    def _raise_corruption(self) -> None:
+        """A memory save's SDC error: to the tier's hook, else raised here."""
+        error, self._corruption = self._corruption, None
+        if error is None:
+            return
+        hook = self.memory.on_corruption if self.memory is not None else None
+        if hook is not None:
+            hook(error)
+            return
+        raise error
+
+    def _load_memory(self, state: dict) -> int | None:
+        """Restore the newest memory step every rank can get complete, unless
+        a newer persistent step exists (``None``: the caller loads from the
+        persistent tier)."""
+        assert self._tier is not None
+        passed: set[int] = set()
+        persistent = self._on_rank0(self.persistent_steps)
+        while True:
+            found = restore.find(self._tier, persistent, passed)
+            if found is None or (persistent and persistent[-1] > found.step):
+                return None
+            persisted = self.step_uri(found.step) if found.persisted else None
+            tier = self._tier
+            reports: list[restore.RestoreReport] = []
+
+            def read(target: dict, found=found, persisted=persisted) -> None:
+                reports.append(restore.read_into(tier, found, target, persisted,
+                                                 self.storage_options))
+            try:
+                self._load_step(found.step, found.md, state, read=read)
+            except restore.StepUnavailable as e:
+                passed.add(found.step)
+                warnings.warn(f"{self.root!r}: {e}; trying an older step", CheckpointWarning,
+                              stacklevel=3)
+                continue
+            self.last_restore = reports[0] if reports else None
+            self._set_newest(found.step)
+            self._last_saved = found.step
+            return found.step
 
     # --------------------------------------------------------------- load
     def _broadcast(self, value: Any) -> Any:
@@ -480,6 +611,11 @@ class CheckpointManager:
         self._check_open()
         self._check_state(state)
         self.wait()
+        self.last_restore = None
+        if self._tier is not None:
+            restored = self._load_memory(state)
+            if restored is not None:
+                return restored
         passed: set[int] = set()  # corrupt steps passed over by this call
         while True:
             found, marked = self._on_rank0(lambda: self._newest_readable(passed))
@@ -544,7 +680,8 @@ class CheckpointManager:
                       f"{note}; load_latest resumes from the newest step that loads",
                       CheckpointWarning, stacklevel=3)
 
-    def _load_step(self, step: int, md: Metadata, state: dict) -> None:
+    def _load_step(self, step: int, md: Metadata, state: dict,
+                   read: Callable[[dict], None] | None = None) -> None:
         where = f"step {step} ({self.step_uri(step)!r})"
 
         def info(name: str) -> Any:
@@ -577,8 +714,11 @@ class CheckpointManager:
         target = {k: v for k, v in state.items()
                   if not isinstance(v, PerRank) and k not in self.exclude}
         target[KEY] = {"ranks": {f"{r:05d}": b"" for r in wanted}}
-        load(target, self.step_uri(step), process_group=self.process_group,
-             storage_options=self.storage_options)
+        if read is not None:
+            read(target)
+        else:
+            load(target, self.step_uri(step), process_group=self.process_group,
+                 storage_options=self.storage_options)
         for k, v in target.items():  # plain values were replaced in the copy
             if k != KEY and k in state and state[k] is not v:
                 state[k] = v
