@@ -21,6 +21,7 @@ instead of taking a ``SIGBUS`` on a full tmpfs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import mmap
 import os
@@ -70,10 +71,19 @@ class Staged:
         self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
 
     def close(self) -> None:
-        self.view.release()
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        """Unmap now if no tensor still views the bytes, else once the last
+        one is dropped (a transfer's tensors may outlive the call briefly)."""
+        m, self._map = self._map, None
+        try:
+            self.view.release()
+            if m is not None:
+                m.close()
+        except BufferError:
+            gc.collect()
+            with contextlib.suppress(BufferError):
+                self.view.release()
+                if m is not None:
+                    m.close()
 
 
 class HostStore:
