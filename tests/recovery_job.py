@@ -158,12 +158,12 @@ def main() -> None:
         # a persistent step newer than every memory step wins (a job without the tier)
         plain = dcp.CheckpointManager(args.root, interval=1, keep_latest=0, save_rng=False,
                                       async_save=False, save_on_preemption=False)
-        set_step(state, rank, world, 12)
-        plain.save(12, state)
+        set_step(state, rank, world, 13)
+        plain.save(13, state)
         plain.close()
         fresh = make_state(rank, world, None)
         step = mgr.load_latest(fresh)
-        emit(event="newer-persistent", step=step, bad=mismatches(fresh, rank, world, 12),
+        emit(event="newer-persistent", step=step, bad=mismatches(fresh, rank, world, 13),
              from_memory=mgr.last_restore is not None)
         small = dcp.CheckpointManager(args.root + "-small", interval=100, save_rng=False,
                                       memory=dcp.MemoryTier(host=host, namespace=os.path.join(
