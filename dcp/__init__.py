@@ -52,8 +52,8 @@ from dcp.manager import (
     SumOf,
 )
 from dcp.orchestration.load import LoadReport, load, read_metadata
-from dcp.recovery import MemoryTier, RestoreReport
 from dcp.orchestration.save import save
+from dcp.recovery import MemoryTier, RestoreReport
 
 __all__ = [
     "save", "load", "read_metadata", "TensorShard", "Metadata", "TensorMeta", "ChunkMeta",

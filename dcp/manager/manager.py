@@ -542,6 +542,12 @@ class CheckpointManager:
             return
         raise error
 
+    def _read_memory(self, found: restore.Found, persisted: str | None,
+                     reports: list[restore.RestoreReport], target: dict) -> None:
+        assert self._tier is not None
+        reports.append(restore.read_into(self._tier, found, target, persisted,
+                                         self.storage_options))
+
     def _load_memory(self, state: dict) -> int | None:
         """Restore the newest memory step every rank can get complete, unless
         a newer persistent step exists (``None``: the caller loads from the
@@ -554,12 +560,8 @@ class CheckpointManager:
             if found is None or (persistent and persistent[-1] > found.step):
                 return None
             persisted = self.step_uri(found.step) if found.persisted else None
-            tier = self._tier
             reports: list[restore.RestoreReport] = []
-
-            def read(target: dict, found=found, persisted=persisted) -> None:
-                reports.append(restore.read_into(tier, found, target, persisted,
-                                                 self.storage_options))
+            read = functools.partial(self._read_memory, found, persisted, reports)
             try:
                 self._load_step(found.step, found.md, state, read=read)
             except restore.StepUnavailable as e:

@@ -14,7 +14,7 @@ against its CRC-32C before it counts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ def _pieces(total: int) -> list[tuple[int, int]]:
     return [(o, min(PIECE_BYTES, total - o)) for o in range(0, total, PIECE_BYTES)]
 
 
-def exchange(sends: dict[int, Sequence[memoryview]], recvs: dict[int, memoryview],
+def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memoryview],
              group) -> None:
     """Send to each peer ``p`` (a rank of ``group``) the bytes of
     ``sends[p]`` (buffers concatenated) and receive from each peer ``q``
@@ -70,4 +70,5 @@ def exchange(sends: dict[int, Sequence[memoryview]], recvs: dict[int, memoryview
         if w is not None:
             w.wait()
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()

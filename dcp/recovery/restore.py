@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dcp.core import metadata as md_codec
 from dcp.core import tensors
+from dcp.core.boxes import intersect_many
 from dcp.core.metadata import Metadata, checksum
 from dcp.core.state_dict import flatten, shaped_like
 from dcp.core.tensors import TensorShard
@@ -110,6 +111,7 @@ def find(g: TierGroup, persistent: list[int], passed: set[int]) -> Found | None:
         src = dist.get_global_rank(g.group, ranks[0])
         payload = [md_codec.encode(box[0]) if box[0] is not None else None]
         dist.broadcast_object_list(payload, src=src, group=g.group)
+        assert payload[0] is not None
         md = md_codec.decode(payload[0], f"memory step {step} (from rank {ranks[0]})")
         return Found(step, md, held, step in persistent)
     return None
@@ -140,8 +142,6 @@ def _plan(md: Metadata, leaves: dict, where: str):
             ids = by_fqn[fqn]
             offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(len(ids), -1)
             szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(len(ids), -1)
-            from dcp.core.boxes import intersect_many
-
             rows, lo, size = intersect_many(offs, szs, box.offsets, box.sizes)
             for row, low, sz in zip(rows, lo, size, strict=True):
                 cid = ids[row]

@@ -39,11 +39,12 @@ def compare(chunk: np.ndarray, rank: np.ndarray, crc: np.ndarray, names: list[st
     hi = np.full(n, np.iinfo(np.int64).min)
     np.minimum.at(lo, chunk, crc)
     np.maximum.at(hi, chunk, crc)
-    bad = np.nonzero(lo != hi)[0]
+    held = np.bincount(chunk, minlength=n) > 0
+    bad = np.nonzero(held & (lo != hi))[0]
     if not len(bad):
         return None
     mismatches = []
-    lines = []
+    lines: list[str] = []
     for c in bad.tolist():
         sel = chunk == c
         by_rank = dict(zip(rank[sel].tolist(), crc[sel].tolist(), strict=True))

@@ -23,7 +23,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -217,7 +219,6 @@ class Snapshotter:
                 failure = failure or (f"rank(s) {[r for r, k in enumerate(gathered) if k is None]}"
                                       f" could not describe their state")
         layout = self.layout
-        failure: str | None = None
         staged: list[Staged] = []
         held_crc: dict[int, int] = {}
         blobs: list[tuple[str, int, str, int]] = []  # fqn, nbytes, raw type, offset
@@ -251,18 +252,18 @@ class Snapshotter:
                     host = tensors.contiguous_copy(src.detach().cpu()) if (
                         not src.is_contiguous() or src.device.type != "cpu") else src.detach()
                     held_crc[cid] = checksum(tensors.byte_view(host))
-            raw = []
+            raw: list[tuple[str, str, bytes]] = []
             for fqn in sorted(described.pickled):
-                kind = split_raw(described.pickled[fqn])
-                assert kind is not None  # describe_state(allow_pickle=False): raw blobs only
-                raw.append((fqn, kind[0], kind[1]))
+                tagged = split_raw(described.pickled[fqn])
+                assert tagged is not None  # describe_state(allow_pickle=False): raw blobs only
+                raw.append((fqn, tagged[0], tagged[1]))
             bf = store.stage(step, blobs_file(g.rank), sum(len(d) for _, _, d in raw))
             staged.append(bf)
             off = 0
-            for fqn, kind, data in raw:
-                bf.view[off:off + len(data)] = data
-                blobs.append((fqn, len(data), kind, off))
-                off += len(data)
+            for fqn, kind, blob in raw:
+                bf.view[off:off + len(blob)] = blob
+                blobs.append((fqn, len(blob), kind, off))
+                off += len(blob)
         except _Skip:
             failure = failure or "the layout could not be agreed"
         except CheckpointError as e:
@@ -325,7 +326,7 @@ class Snapshotter:
         bid = {f: len(layout.chunks) + i for i, f in enumerate(blob_names)}
         ch, rk, cr = [layout.holder_chunk], [layout.holder_rank], []
         crc_by = {}
-        for r, (_, ids, vals, bl, _) in enumerate(everyone):
+        for r, (_, ids, vals, _, _) in enumerate(everyone):
             crc_by[r] = dict(zip(ids.tolist(), vals.tolist(), strict=True))
         # every holding's checksum: the ranks' own, in holder order
         cr.append(np.array([crc_by[r][c] for c, r in zip(layout.holder_chunk.tolist(),
@@ -486,9 +487,6 @@ def persist_view(g: TierGroup, step: int, info: dict) -> dict:
     rank's chunks (read-only views of the host's files, no copy), JSON values
     and raw blobs: what a persistent save of the step writes.  The mappings
     close once the state dict is dropped."""
-    import io
-    import mmap
-
     layout: Layout = info["layout"]
     held = g.store.held(step)
     state: dict[str, Any] = {}
@@ -504,7 +502,7 @@ def persist_view(g: TierGroup, step: int, info: dict) -> dict:
 
     for (fqn, offsets), cid in layout.mine.items():
         file, off = held[cid]
-        _, sizes = layout.chunks[cid][1], layout.chunks[cid][2]
+        sizes = layout.chunks[cid][2]
         shape, dtype = layout.shapes[fqn]
         data = tensors.readonly_view(view(file)[off:off + int(layout.nbytes[cid])], dtype, sizes)
         if fqn in state:
@@ -514,6 +512,6 @@ def persist_view(g: TierGroup, step: int, info: dict) -> dict:
     for fqn, text in info["json"].items():
         state[fqn] = json.loads(text)
     for fqn, (file, off, n, kind) in info["blobs"].items():
-        data = bytes(view(file)[off:off + n])
-        state[fqn] = io.BytesIO(data) if kind == "BytesIO" else data
+        blob = bytes(view(file)[off:off + n])
+        state[fqn] = io.BytesIO(blob) if kind == "BytesIO" else blob
     return state
