@@ -39,8 +39,8 @@ def compare(chunk: np.ndarray, rank: np.ndarray, crc: np.ndarray, names: list[st
     hi = np.full(n, np.iinfo(np.int64).min)
     np.minimum.at(lo, chunk, crc)
     np.maximum.at(hi, chunk, crc)
-    held = np.bincount(chunk, minlength=n) > 0
-    bad = np.nonzero(held & (lo != hi))[0]
+    present = np.bincount(chunk, minlength=n) > 0
+    bad = np.nonzero(present & (lo != hi))[0]
     if not len(bad):
         return None
     mismatches = []
