@@ -165,6 +165,17 @@ def main() -> None:
         step = mgr.load_latest(fresh)
         emit(event="newer-persistent", step=step, bad=mismatches(fresh, rank, world, 13),
              from_memory=mgr.last_restore is not None)
+        # row 10: SIGTERM to one rank: every rank persists this step at once
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        set_step(fresh, rank, world, 14)
+        saved = mgr.save(14, fresh)
+        again = make_state(rank, world, None)
+        plain = dcp.CheckpointManager(args.root, save_rng=False, save_on_preemption=False)
+        emit(event="sigterm", saved=saved, preempted=mgr.preempted,
+             persistent=mgr.persistent_steps(), step=plain.load_latest(again),
+             bad=mismatches(again, rank, world, 14))
+        plain.close()
         small = dcp.CheckpointManager(args.root + "-small", interval=100, save_rng=False,
                                       memory=dcp.MemoryTier(host=host, namespace=os.path.join(
                                           args.shm, host), run_id="small", host_bytes=4096))

@@ -106,8 +106,8 @@ def _held_at(step_dir: Path, fqn: str, offsets: list[int]) -> tuple[Path, int, i
 
 
 def test_failure_matrix(tmp: Path) -> None:
-    """Rows 1, 2 with 8, 4 with 6, 9, 11 and 12 of the matrix and a refused
-    memory save, in four jobs: 4 ranks on hosts h0, h1 (then 2 ranks)."""
+    """Rows 1, 2 with 8, 4 with 6, 9, 10, 11 and 12 of the matrix and a
+    refused memory save, in four jobs: 4 ranks on hosts h0, h1 (then 2)."""
     two = ["h0", "h0", "h1", "h1"]
     # job 1: steps 1..5, persistent step 4; rank 1 SIGKILLed after memory step 5
     rec = job(tmp, "j1", two, "--steps", "1", "5", "--kill-at", "5", kill=True)
@@ -163,7 +163,8 @@ def test_failure_matrix(tmp: Path) -> None:
     for f in (tmp / "shm" / "h0" / "job" / "step-12").glob("*-copies.data"):
         os.truncate(f, 1)
     # row 11: then a persistent step (13) newer than every memory step wins;
-    # and a memory save over MemoryTier(host_bytes=...) is refused
+    # row 10: SIGTERM on rank 0 persists step 14 on every rank at once; and
+    # a memory save over MemoryTier(host_bytes=...) is refused
     rec = job(tmp, "j4", ["h0", "h1"], "--resume", "--extra", "newer-persistent")
     lost = 0
     for r, ranks in enumerate(rec):
@@ -174,6 +175,9 @@ def test_failure_matrix(tmp: Path) -> None:
         newer = event(ranks, "newer-persistent")
         assert newer == {"event": "newer-persistent", "step": 13, "bad": [],
                          "from_memory": False}, newer
+        term = event(ranks, "sigterm")
+        assert term["saved"] and term["preempted"] and term["step"] == 14, term
+        assert term["bad"] == [] and term["persistent"][-1] == 14, term
         refused = event(ranks, "refused")
         assert refused["memory"] == [] and any(
             "host_bytes=4096" in e for e in refused["errors"]), refused
