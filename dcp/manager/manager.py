@@ -22,6 +22,13 @@ The phases, in order, and where each decision lives:
   complete step (the one just committed), never the step in flight (a
   newer one, whose metadata does not exist yet), and the metadata of a
   step first, so a half-deleted step is never complete.
+* **Memory tier** (``memory=MemoryTier(...)``, :mod:`dcp.recovery`): every
+  ``memory.interval`` steps the state is staged into host shared memory and
+  committed there in the background (copies on other hosts, SDC check); the
+  steps the save policy picks are then persisted from host memory.  A
+  resume first restores the newest memory step every rank can get complete
+  (:mod:`dcp.recovery.restore`), unless a persistent step is newer; a step
+  that cannot be restored on some rank sends every rank to an older one.
 * **Resume** (:meth:`CheckpointManager.load_latest`): rank 0 finds the
   newest complete step through the pointer (two requests in the common
   case, whatever the number of steps; a listing of the root when the
@@ -223,6 +230,7 @@ class CheckpointManager:
         self.last_restore: restore.RestoreReport | None = None
         #: the last memory step's stall and background seconds, on this rank
         self.last_memory_save: MemorySave | None = None
+        self._corruption: SilentDataCorruptionError | None = None
         if memory is not None:
             if not self.distributed:
                 raise CheckpointError(f"{self.root!r}: the memory tier needs torch.distributed "
@@ -529,8 +537,6 @@ class CheckpointManager:
         else:
             self.errors.append(CheckpointError(f"step {ms.step}: {ms.error}"))
 
-    _corruption: SilentDataCorruptionError | None = None
-
     def _raise_corruption(self) -> None:
         """A memory save's SDC error: to the tier's hook, else raised here."""
         error, self._corruption = self._corruption, None
@@ -562,12 +568,22 @@ class CheckpointManager:
             persisted = self.step_uri(found.step) if found.persisted else None
             reports: list[restore.RestoreReport] = []
             read = functools.partial(self._read_memory, found, persisted, reports)
+            error: Exception | None = None
             try:
                 self._load_step(found.step, found.md, state, read=read)
-            except restore.StepUnavailable as e:
+            except Exception as e:  # every rank learns whether any failed, and how
+                error = e
+            failed, other = self._agree([int(error is not None), int(
+                error is not None and not isinstance(
+                    error, (restore.StepUnavailable, CorruptCheckpointError)))])
+            if other:
+                raise error if error is not None else CheckpointError(
+                    f"memory step {found.step}: the restore failed on another rank")
+            if failed:  # no source left for some chunk, on some rank: an older step
                 passed.add(found.step)
-                warnings.warn(f"{self.root!r}: {e}; trying an older step", CheckpointWarning,
-                              stacklevel=3)
+                warnings.warn(f"{self.root!r}: memory step {found.step} cannot be restored "
+                              f"({error if error is not None else 'on another rank'}); trying "
+                              f"an older step", CheckpointWarning, stacklevel=3)
                 continue
             self.last_restore = reports[0] if reports else None
             self._set_newest(found.step)

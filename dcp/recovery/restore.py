@@ -194,8 +194,6 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
     errors = [e for e, _ in everyone if e is not None]
     if errors:
         raise CheckpointError("; ".join(errors))
-    if not len(nbytes):
-        fqns, nbytes, crcs, boxes = chunk_table(md)
     need_rank = np.concatenate([np.full(len(ids), r, np.int64) for r, (_, ids) in
                                 enumerate(everyone)]) if everyone else np.zeros(0, np.int64)
     need_chunk = np.concatenate([ids for _, ids in everyone])
