@@ -105,6 +105,7 @@ def _held_at(step_dir: Path, fqn: str, offsets: list[int]) -> tuple[Path, int, i
     raise AssertionError(f"no copy of {fqn} {offsets} in {step_dir}")
 
 
+@pytest.mark.timeout(1200)  # four jobs of 2-4 ranks: about a minute on an idle 2-core machine
 def test_failure_matrix(tmp: Path) -> None:
     """Rows 1, 2 with 8, 4 with 6, 9, 10, 11 and 12 of the matrix and a
     refused memory save, in four jobs: 4 ranks on hosts h0, h1 (then 2)."""
