@@ -57,3 +57,6 @@ def test_a_host_without_the_memory_refuses_the_step(tmp_path) -> None:
         signal.signal(signal.SIGXFSZ, previous)
     assert "cannot reserve 67108864 bytes" in str(info.value) and "h0" in str(info.value)
     assert not (store.step_dir(1) / "r00000.data").exists()
+    staged = store.stage(1, "r00000.data", 1 << 20)  # reserved whole, not a sparse file
+    assert (store.step_dir(1) / "r00000.data").stat().st_blocks * 512 >= 1 << 20
+    staged.close()
