@@ -26,7 +26,6 @@ import dcp
 from dcp.recovery.host_store import chunk_table
 
 HERE = Path(__file__).resolve().parent
-MiB = 1 << 20
 # bytes of one rank's chunks in the 4-rank layout of recovery_job.py
 REP, TP_BLOCK, DP_BLOCK = 512 * 1024, 256 * 1024, 256 * 1024
 
@@ -64,7 +63,6 @@ def job(tmp: Path, name: str, hosts: list[str], *args: str, kill: bool = False,
             if p.poll() is None:
                 p.kill()
             p.wait()
-    print(f"job {name}: {time.monotonic() - deadline + timeout:.1f} s")
     if not kill:
         assert [p.returncode for p in procs] == [0] * len(procs), f"job {name} failed"
     records = []
