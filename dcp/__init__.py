@@ -41,7 +41,9 @@ if TYPE_CHECKING:
     from dcp.errors import (
         CheckpointError,
         CorruptCheckpointError,
+        MemoryTierError,
         NotACheckpointError,
+        SilentDataCorruptionError,
         UnsupportedDtypeError,
     )
     from dcp.manager import (
@@ -62,11 +64,13 @@ if TYPE_CHECKING:
     )
     from dcp.orchestration.load import LoadReport, load, load_keys, read_metadata
     from dcp.orchestration.save import save
+    from dcp.recovery import MemoryTier, RestoreReport
 
 __all__ = [
     "save", "load", "load_keys", "read_metadata", "TensorShard", "Metadata", "TensorMeta",
     "ChunkMeta", "ObjectMeta", "LoadReport", "CheckpointError", "CorruptCheckpointError",
-    "NotACheckpointError", "UnsupportedDtypeError", "mindspore_shard", "async_save",
+    "NotACheckpointError", "UnsupportedDtypeError", "MemoryTier", "RestoreReport",
+    "MemoryTierError", "SilentDataCorruptionError", "mindspore_shard", "async_save",
     "AsyncSaveResponse", "AsyncSaveStats",
     "AsyncSaveCounters", "AsyncSaveTimeout", "async_save_counters", "prestart_async_worker",
     "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",
@@ -84,13 +88,14 @@ _HOMES = {
     "dcp.core.metadata": ("ChunkMeta", "Metadata", "ObjectMeta", "TensorMeta"),
     "dcp.core.mindspore_layout": ("mindspore_shard",),
     "dcp.core.tensors": ("TensorShard",),
-    "dcp.errors": ("CheckpointError", "CorruptCheckpointError", "NotACheckpointError",
-                   "UnsupportedDtypeError"),
+    "dcp.errors": ("CheckpointError", "CorruptCheckpointError", "MemoryTierError",
+                   "NotACheckpointError", "SilentDataCorruptionError", "UnsupportedDtypeError"),
     "dcp.manager": ("AnyOf", "BestN", "CheckpointManager", "CheckpointWarning", "DeriveRNG",
                     "EveryNSteps", "FixedInterval", "Forced", "FromFirstRank", "LatestN",
                     "OnPreemption", "PerRank", "SpecificSteps", "SumOf"),
     "dcp.orchestration.load": ("LoadReport", "load", "load_keys", "read_metadata"),
     "dcp.orchestration.save": ("save",),
+    "dcp.recovery": ("MemoryTier", "RestoreReport"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 #: The layers that ``dcp.X`` reaches without an ``import dcp.X`` (as when

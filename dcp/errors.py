@@ -34,3 +34,23 @@ class UnsupportedDtypeError(CheckpointError):
     ``float4_e2m1fn_x2``), or one a framework adapter cannot load into.
     Raised before anything is written or read; the message names the fqn
     and the dtype."""
+
+
+class MemoryTierError(CheckpointError):
+    """A memory-tier save that cannot get its host memory (the namespace's
+    free space or the tier's ``host_bytes`` cap; the message names the host,
+    the step and the bytes), or a replicated copy that arrived damaged.  The
+    save is refused before it takes the memory; the host and the newest
+    memory step are untouched."""
+
+
+class SilentDataCorruptionError(CheckpointError):
+    """Holders of one chunk hold different bytes at a memory save: the
+    message names the fqn, the chunk's offsets, the ranks and, with three
+    or more holders, the odd one out.  The step is untrusted: never
+    persisted, never restored (:mod:`dcp.recovery.sdc`).
+
+    ``mismatches``: ``(fqn, offsets, {rank: crc32c}, odd rank or None)``
+    for each chunk found."""
+
+    mismatches: list[tuple[str, tuple[int, ...], dict[int, int], int | None]]

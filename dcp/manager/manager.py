@@ -22,6 +22,13 @@ The phases, in order, and where each decision lives:
   complete step (the one just committed), never the step in flight (a
   newer one, whose metadata does not exist yet), and the metadata of a
   step first, so a half-deleted step is never complete.
+* **Memory tier** (``memory=MemoryTier(...)``, :mod:`dcp.recovery`): every
+  ``memory.interval`` steps the state is staged into host shared memory and
+  committed there in the background (copies on other hosts, SDC check); the
+  steps the save policy picks are then persisted from host memory.  A
+  resume first restores the newest memory step every rank can get complete
+  (:mod:`dcp.recovery.restore`), unless a persistent step is newer; a step
+  that cannot be restored on some rank sends every rank to an older one.
 * **Resume** (:meth:`CheckpointManager.load_latest`): rank 0 finds the
   newest complete step through the pointer (two requests in the common
   case, whatever the number of steps; a listing of the root when the
@@ -57,7 +64,12 @@ from dcp.asynchronous.async_save import AsyncSaveResponse, async_save, prestart_
 from dcp.coordination.collectives import coordination_group
 from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
-from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from dcp.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    SilentDataCorruptionError,
+)
 from dcp.manager import per_rank, rng
 from dcp.manager.per_rank import PerRank
 from dcp.manager.policies import (
@@ -83,6 +95,10 @@ from dcp.manager.steps import (
 from dcp.orchestration.inventory import remove_empty_folder
 from dcp.orchestration.load import load, read_metadata
 from dcp.orchestration.save import save as sync_save
+from dcp.recovery import restore
+from dcp.recovery.hosts import TierGroup
+from dcp.recovery.snapshot import MemorySave, Snapshotter, persist_view
+from dcp.recovery.tier import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +161,12 @@ class CheckpointManager:
         model_key: the key of the model in the state (initial load, export).
         export_dtype: the dtype :meth:`export` casts floating tensors to.
         blocking_staging, timeout: as for :func:`dcp.async_save`.
+        memory: a host-memory tier (:class:`dcp.recovery.MemoryTier`): a
+            memory step every ``memory.interval`` steps, with copies on
+            other hosts; the steps ``interval`` (the save policy) picks are
+            then persisted from host memory once their memory step
+            committed, and :meth:`load_latest` restores from memory first
+            ([recovery.md](docs/recovery.md)).  Needs a process group.
     """
 
     def __init__(self, root: str | os.PathLike[str], interval: int = 500, keep_latest: int = 3,
@@ -158,7 +180,7 @@ class CheckpointManager:
                  exclude_from_loading: tuple[str, ...] = (),
                  initial_load_path: str | None = None, model_key: str = "model",
                  export_dtype: torch.dtype | None = None, blocking_staging: bool = True,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, memory: MemoryTier | None = None) -> None:
         self.root = checkpoint_uri(str(root))
         self.storage_options = dict(storage_options or {})
         if coordination not in ("gloo", "file"):
@@ -202,6 +224,21 @@ class CheckpointManager:
         else:
             self.rank, self.world_size, self._src, self._cpu_group = 0, 1, 0, None
         self.dp_rank, self.dp_degree = data_parallel or (self.rank, self.world_size)
+        self.memory = memory
+        self._tier: TierGroup | None = None
+        self._snapshots: Snapshotter | None = None
+        self._memory_save: MemorySave | None = None
+        #: where the last :meth:`load_latest` from the memory tier took its bytes
+        self.last_restore: restore.RestoreReport | None = None
+        #: the last memory step's stall and background seconds, on this rank
+        self.last_memory_save: MemorySave | None = None
+        self._corruption: SilentDataCorruptionError | None = None
+        if memory is not None:
+            if not self.distributed:
+                raise CheckpointError(f"{self.root!r}: the memory tier needs torch.distributed "
+                                      f"initialized (its copies go to other hosts' ranks)")
+            self._tier = TierGroup(memory, self.root, process_group)
+            self._snapshots = Snapshotter(self._tier)
 
         self.preempted = False
         self._sigterm = False
@@ -239,8 +276,17 @@ class CheckpointManager:
         return self._in_flight[0]
 
     def steps(self) -> list[int]:
-        """The complete steps under the root, ascending (one listing; a
-        root that cannot be listed, a missing bucket, raises naming it)."""
+        """The complete steps, ascending: those under the root (one listing;
+        a root that cannot be listed, a missing bucket, raises naming it)
+        and, with a memory tier, the memory steps committed on this host."""
+        return sorted(set(self.persistent_steps()) | set(self.memory_steps()))
+
+    def memory_steps(self) -> list[int]:
+        """The memory steps committed (and trusted) on this rank's host."""
+        return self._tier.store.steps() if self._tier is not None else []
+
+    def persistent_steps(self) -> list[int]:
+        """The complete steps under the root, ascending."""
         try:
             names = self._storage.list_files()
         except CheckpointError:
@@ -288,9 +334,17 @@ class CheckpointManager:
         self._check_state(state)
         preempted, forced = self._agree([int(self._sigterm), int(force)])
         ctx = SaveContext(step, bool(forced), bool(preempted))
-        if not self.save_policy.should_save(ctx):
+        persist = self.save_policy.should_save(ctx)
+        in_memory = self.memory is not None and step % self.memory.interval == 0
+        if not (persist or in_memory):
+            self._raise_corruption()
             return False
         self._check_newer(step)
+        if in_memory and not (preempted and self.save_on_preemption):
+            if self._last_saved == step:
+                return False
+            self._save_memory(step, state, metrics, persist)
+            return True
         if preempted and self.save_on_preemption:  # last words: now, synchronously
             if self._last_saved != step:
                 self._save(step, state, metrics, asynchronous=False)
@@ -440,6 +494,7 @@ class CheckpointManager:
             step, _response, done = self._in_flight
             done.wait()
             self._in_flight = None
+        self._wait_memory()
         with self._lock:
             retention = self._retention
         if retention is not None:
@@ -447,6 +502,100 @@ class CheckpointManager:
         for e in self.errors[self._warned:]:
             warnings.warn(str(e), CheckpointWarning, stacklevel=2)
         self._warned = len(self.errors)
+        self._raise_corruption()
+
+    # ---------------------------------------------------------- memory tier
+    def _save_memory(self, step: int, state: dict, metrics: dict | None, persist: bool) -> None:
+        """Memory step ``step``: staged now, committed in the background;
+        with ``persist``, then written from host memory to the root."""
+        self.wait()  # one memory step in flight, and its outcome known
+        assert self._snapshots is not None and self._tier is not None
+        composed = self._compose(step, state, metrics)
+        self._last_saved = step
+        if persist:
+            self._set_newest(step)
+            self._metrics[step] = dict(metrics or {})
+        tier = self._tier
+
+        def persist_step(saved: int, info: dict) -> None:
+            view = persist_view(tier, saved, info)
+            name = NamePointer(self.root, saved, self.storage_options)
+            try:
+                sync_save(view, self.step_uri(saved), process_group=tier.group,
+                          storage_options=self.storage_options, before_commit=name)
+            except CheckpointError as e:
+                raise CheckpointError(f"step {saved}: persisting the memory step to "
+                                      f"{self.step_uri(saved)!r} failed: {e}") from e
+            self._committed()
+
+        self._memory_save = self._snapshots.start(step, composed,
+                                                  persist_step if persist else None)
+        self.last_memory_save = self._memory_save
+
+    def _wait_memory(self) -> None:
+        ms, self._memory_save = self._memory_save, None
+        if ms is None:
+            return
+        ms.wait()
+        if ms.error is None:
+            return
+        if isinstance(ms.error, SilentDataCorruptionError):
+            self._corruption = ms.error
+        else:
+            self.errors.append(CheckpointError(f"step {ms.step}: {ms.error}"))
+
+    def _raise_corruption(self) -> None:
+        """A memory save's SDC error: to the tier's hook, else raised here."""
+        error, self._corruption = self._corruption, None
+        if error is None:
+            return
+        hook = self.memory.on_corruption if self.memory is not None else None
+        if hook is not None:
+            hook(error)
+            return
+        raise error
+
+    def _read_memory(self, found: restore.Found, persisted: str | None,
+                     reports: list[restore.RestoreReport], target: dict) -> None:
+        assert self._tier is not None
+        reports.append(restore.read_into(self._tier, found, target, persisted,
+                                         self.storage_options))
+
+    def _load_memory(self, state: dict) -> int | None:
+        """Restore the newest memory step every rank can get complete, unless
+        a newer persistent step exists (``None``: the caller loads from the
+        persistent tier)."""
+        assert self._tier is not None
+        passed: set[int] = set()
+        persistent = self._on_rank0(self.persistent_steps)
+        while True:
+            found = restore.find(self._tier, persistent, passed)
+            if found is None or (persistent and persistent[-1] > found.step):
+                return None
+            persisted = self.step_uri(found.step) if found.persisted else None
+            reports: list[restore.RestoreReport] = []
+            read = functools.partial(self._read_memory, found, persisted, reports)
+            error: Exception | None = None
+            try:
+                self._load_step(found.step, found.md, state, read=read)
+            except Exception as e:  # every rank learns whether any failed, and how
+                error = e
+            failed, other = self._agree([int(error is not None), int(
+                error is not None and not isinstance(
+                    error, (restore.StepUnavailable, CorruptCheckpointError)))])
+            if other:
+                raise error if error is not None else CheckpointError(
+                    f"memory step {found.step}: the restore failed on another rank")
+            if failed:  # no source left for some chunk, on some rank: an older step
+                passed.add(found.step)
+                warnings.warn(f"{self.root!r}: memory step {found.step} cannot be restored "
+                              f"({error if error is not None else 'on another rank'}); trying "
+                              f"an older step", CheckpointWarning, stacklevel=3)
+                continue
+            self.last_restore = reports[0] if reports else None
+            self._set_newest(found.step)
+            self._last_saved = found.step
+            return found.step
 
     # --------------------------------------------------------------- load
     def _broadcast(self, value: Any) -> Any:
@@ -487,6 +636,11 @@ class CheckpointManager:
         self._check_open()
         self._check_state(state)
         self.wait()
+        self.last_restore = None
+        if self._tier is not None:
+            restored = self._load_memory(state)
+            if restored is not None:
+                return restored
         passed: set[int] = set()  # corrupt steps passed over by this call
         while True:
             found, marked = self._on_rank0(lambda: self._newest_readable(passed))
@@ -551,7 +705,8 @@ class CheckpointManager:
                       f"{note}; load_latest resumes from the newest step that loads",
                       CheckpointWarning, stacklevel=3)
 
-    def _load_step(self, step: int, md: Metadata, state: dict) -> None:
+    def _load_step(self, step: int, md: Metadata, state: dict,
+                   read: Callable[[dict], None] | None = None) -> None:
         where = f"step {step} ({self.step_uri(step)!r})"
 
         def info(name: str) -> Any:
@@ -584,8 +739,11 @@ class CheckpointManager:
         target = {k: v for k, v in state.items()
                   if not isinstance(v, PerRank) and k not in self.exclude}
         target[KEY] = {"ranks": {f"{r:05d}": b"" for r in wanted}}
-        load(target, self.step_uri(step), process_group=self.process_group,
-             storage_options=self.storage_options)
+        if read is not None:
+            read(target)
+        else:
+            load(target, self.step_uri(step), process_group=self.process_group,
+                 storage_options=self.storage_options)
         for k, v in target.items():  # plain values were replaced in the copy
             if k != KEY and k in state and state[k] is not v:
                 state[k] = v

@@ -1,0 +1,249 @@
+"""One host's memory steps: files in host shared memory that outlive the
+processes (a restarted rank finds them), never the machine.
+
+A memory step is a checkpoint like a persistent one: ``metadata.json`` is
+the step's :class:`dcp.Metadata` (every chunk of every rank, its CRC-32C;
+a chunk's ``file``/``byte_offset`` name where its first writer keeps it),
+and each rank's bytes sit in a data file of its own.  What this host holds
+of it is listed per rank in ``held.r<rank>.json`` (chunk ids, file, byte
+offsets): its own ranks' chunks and the copies it keeps for other hosts.
+``COMMITTED`` (written last, by an atomic rename) makes the step count on
+this host; ``BAD`` marks one that failed to restore twice.  Layout::
+
+    <namespace>/<run_id>/step-<N>/{metadata.json, r00003.data, r00003-copies.data,
+                                   held.r00003.json, failures, COMMITTED}
+
+Files are reserved whole with ``posix_fallocate`` before a byte is written,
+so a host without the memory refuses the save (:class:`MemoryTierError`)
+instead of taking a ``SIGBUS`` on a full tmpfs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from dcp.core import metadata as md_codec
+from dcp.core.metadata import Metadata
+from dcp.errors import CheckpointError, CorruptCheckpointError, MemoryTierError
+
+COMMITTED, BAD, FAILURES = "COMMITTED", "BAD", "failures"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Staged:
+    """A data file of a memory step, reserved whole and mapped: ``view`` is
+    its bytes (a writable ``memoryview``)."""
+
+    def __init__(self, path: Path, nbytes: int, where: str) -> None:
+        self.path, self.nbytes = path, nbytes
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if nbytes:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    raise MemoryTierError(f"{where}: cannot reserve {nbytes} bytes for "
+                                          f"{path} ({e.strerror}): the host has not the "
+                                          f"memory; the save is refused, the newest memory "
+                                          f"step is kept") from e
+                self._map: mmap.mmap | None = mmap.mmap(fd, nbytes)
+            else:
+                self._map = None
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        os.close(fd)
+        self.view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def close(self) -> None:
+        """Unmap now if no tensor still views the bytes, else once the last
+        one is dropped (a transfer's tensors may outlive the call briefly)."""
+        m, self._map = self._map, None
+        try:
+            self.view.release()
+            if m is not None:
+                m.close()
+        except BufferError:
+            gc.collect()
+            with contextlib.suppress(BufferError):
+                self.view.release()
+                if m is not None:
+                    m.close()
+
+
+class HostStore:
+    """The memory steps of run ``run_id`` on this host, under ``namespace``."""
+
+    def __init__(self, namespace: Path, run_id: str, host: str) -> None:
+        self.root = Path(namespace) / run_id
+        self.host = host
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def where(self, step: int) -> str:
+        return f"memory step {step} on host {self.host!r} ({self.step_dir(step)})"
+
+    # ---------------------------------------------------------------- steps
+    def steps(self, committed: bool = True) -> list[int]:
+        """Steps present on this host, ascending: committed and not bad ones
+        (``committed=False``: every step folder, half-written ones too)."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if not name.startswith("step-") or not name[5:].isdigit():
+                continue
+            d = self.root / name
+            if committed and (not (d / COMMITTED).exists() or (d / BAD).exists()):
+                continue
+            out.append(int(name[5:]))
+        return sorted(out)
+
+    def begin(self, step: int) -> Path:
+        """A fresh folder for ``step`` (what a killed save left there removed)."""
+        d = self.step_dir(step)
+        d.mkdir(parents=True, exist_ok=True)
+        for name in (COMMITTED, BAD):
+            with contextlib.suppress(FileNotFoundError):
+                (d / name).unlink()
+        return d
+
+    def stage(self, step: int, name: str, nbytes: int) -> Staged:
+        return Staged(self.step_dir(step) / name, nbytes, self.where(step))
+
+    def write_held(self, step: int, rank: int, held: dict) -> None:
+        _atomic_write(self.step_dir(step) / f"held.r{rank:05d}.json",
+                      json.dumps(held, separators=(",", ":")).encode())
+
+    def write_metadata(self, step: int, md: Metadata) -> None:
+        _atomic_write(self.step_dir(step) / md_codec.METADATA_FILE, md_codec.encode(md))
+
+    def commit(self, step: int) -> None:
+        _atomic_write(self.step_dir(step) / COMMITTED, b"")
+
+    def drop(self, step: int) -> None:
+        shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def drop_except(self, keep: set[int]) -> None:
+        """Delete every step folder not in ``keep`` (older and half-written ones)."""
+        for s in self.steps(committed=False):
+            if s not in keep:
+                self.drop(s)
+
+    def usage_committed(self, exclude: int) -> int:
+        """Bytes the committed steps of this run other than ``exclude`` hold
+        on this host (allocated blocks)."""
+        total = 0
+        for s in self.steps():
+            if s == exclude:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.step_dir(s)):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat().st_blocks * 512
+        return total
+
+    # --------------------------------------------------------------- reading
+    def metadata(self, step: int) -> Metadata:
+        path = self.step_dir(step) / md_codec.METADATA_FILE
+        try:
+            return md_codec.decode(path.read_bytes(), str(path))
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(f"{self.where(step)}: no metadata.json") from e
+
+    def held(self, step: int) -> dict[int, tuple[str, int]]:
+        """Chunk id -> ``(file, byte offset)`` of every chunk this host holds
+        of ``step`` (the union of its ranks' ``held`` lists)."""
+        out: dict[int, tuple[str, int]] = {}
+        d = self.step_dir(step)
+        for name in sorted(os.listdir(d)):
+            if not (name.startswith("held.r") and name.endswith(".json")):
+                continue
+            try:
+                rec = json.loads((d / name).read_bytes())
+                for file, ids, offsets in rec["files"]:
+                    md_codec.check_relative_path(file, f"{self.where(step)}: {name}")
+                    for i, o in zip(ids, offsets, strict=True):
+                        out.setdefault(int(i), (str(file), int(o)))
+            except (ValueError, KeyError, TypeError, CheckpointError):
+                continue  # a damaged list: its chunks count as not held here
+        return out
+
+    def read(self, step: int, file: str, offset: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes at ``offset`` of ``file`` into ``out``;
+        returns how many were there (fewer for a truncated or missing file)."""
+        try:
+            fd = os.open(self.step_dir(step) / file, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0
+        try:
+            got = 0
+            while got < len(out):
+                n = os.preadv(fd, [out[got:]], offset + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    # -------------------------------------------------------------- failures
+    def record_failure(self, step: int, reason: str) -> int:
+        """Count a failed restore of ``step``; at the second it is marked
+        ``BAD`` (passed over from then on).  Returns the count."""
+        d = self.step_dir(step)
+        if not d.exists():
+            return 0
+        path = d / FAILURES
+        try:
+            count = int(path.read_text().split("\n", 1)[0]) + 1
+        except (FileNotFoundError, ValueError):
+            count = 1
+        _atomic_write(path, f"{count}\n{reason}\n".encode())
+        if count >= 2:
+            _atomic_write(d / BAD, reason.encode())
+        return count
+
+
+def chunk_table(md: Metadata) -> tuple[list[str], np.ndarray, np.ndarray, list[tuple]]:
+    """The chunks of a memory step numbered as every rank numbers them:
+    tensor chunks by fqn (and in the order of each tensor's chunks), then
+    raw blobs by fqn.  Returns
+    ``(fqn of each, nbytes int64, crc int64, (offsets, sizes) or None for
+    a blob)``."""
+    fqns: list[str] = []
+    nbytes: list[int] = []
+    crcs: list[int] = []
+    boxes: list[tuple] = []
+    for fqn in sorted(md.tensors):
+        for c in md.tensors[fqn].chunks:
+            fqns.append(fqn)
+            nbytes.append(c.nbytes)
+            crcs.append(-1 if c.checksum is None else c.checksum)
+            boxes.append((c.offsets, c.sizes))
+    for fqn in sorted(md.objects):
+        o = md.objects[fqn]
+        if o.raw is not None:
+            fqns.append(fqn)
+            nbytes.append(o.raw.nbytes)
+            crcs.append(o.raw.checksum)
+            boxes.append(())
+    return fqns, np.array(nbytes, dtype=np.int64), np.array(crcs, dtype=np.int64), boxes

@@ -1,0 +1,59 @@
+"""The ranks of a job as the memory tier sees them: its own gloo group (the
+memory saves' transfers run in the background on it, apart from training's
+collectives), the host of every rank, each host's failure domain and this
+host's :class:`~dcp.recovery.host_store.HostStore`.
+
+Identity is the run id and the hosts' names, never process ids or rank
+numbers: a restarted job may put other ranks on a host, or come back at
+another world size, and still finds the memory steps its hosts hold.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+import numpy as np
+import torch.distributed as dist
+
+from dcp.recovery.host_store import HostStore
+from dcp.recovery.tier import MemoryTier
+
+
+def run_id_of(root: str) -> str:
+    """The run id of a manager's root, when the tier names none."""
+    return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]
+
+
+class TierGroup:
+    """Collective: every rank of ``process_group`` (the default group if
+    ``None``) constructs it, in the same order as its other groups."""
+
+    def __init__(self, tier: MemoryTier, root: str, process_group=None) -> None:
+        self.tier = tier
+        self.run_id = tier.run_id if tier.run_id is not None else run_id_of(root)
+        self.host = tier.host_name
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        self.group = dist.new_group(ranks, backend="gloo",
+                                    timeout=datetime.timedelta(seconds=tier.timeout))
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        names: list = [None] * self.world_size
+        dist.all_gather_object(names, self.host, group=self.group)
+        #: host names in order of first rank; ``rank_host[r]`` indexes them
+        self.hosts: list[str] = list(dict.fromkeys(names))
+        index = {h: i for i, h in enumerate(self.hosts)}
+        self.rank_host = np.array([index[h] for h in names], dtype=np.int64)
+        domains = [tier.domain(h) for h in self.hosts]
+        dindex = {d: i for i, d in enumerate(dict.fromkeys(domains))}
+        self.host_domain = np.array([dindex[d] for d in domains], dtype=np.int64)
+        self.my_host = int(self.rank_host[self.rank])
+        #: the lowest rank of this host: it commits the host's steps
+        self.leader = int(np.flatnonzero(self.rank_host == self.my_host)[0]) == self.rank
+        self.store = HostStore(tier.folder, self.run_id, self.host)
+
+    def all_gather(self, value) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out

@@ -1,0 +1,74 @@
+"""Bytes between ranks of the memory tier's gloo group, batched into large
+messages: never one message per tensor (NVRx broadcasts tensor by tensor;
+PGTransport pays about 0.1 ms a tensor here).
+
+Between a sender and a receiver the bytes are one stream (the chunks one
+after the other, in an order both know) cut into pieces of
+:data:`PIECE_BYTES`.  The receiver posts every receive first, straight into
+where the bytes belong (a memory step's copies file, a restore buffer), so
+no exchange can deadlock; the sender packs each piece into one of two
+reused buffers (the 64 MiB of transfer buffers of the memory bound) and
+sends it.  Checksums are the callers' (every received chunk is checked
+against its CRC-32C before it counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+#: Bytes of one message; two send buffers of this size at most per rank.
+PIECE_BYTES = 32 << 20
+
+
+def _pieces(total: int) -> list[tuple[int, int]]:
+    return [(o, min(PIECE_BYTES, total - o)) for o in range(0, total, PIECE_BYTES)]
+
+
+def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memoryview],
+             group) -> None:
+    """Send to each peer ``p`` (a rank of ``group``) the bytes of
+    ``sends[p]`` (buffers concatenated) and receive from each peer ``q``
+    exactly ``len(recvs[q])`` bytes into ``recvs[q]``.  Collective over the
+    ranks named; raises what gloo raises (a peer gone, a timeout)."""
+    works = []
+    for src in sorted(recvs):
+        dest = recvs[src]
+        flat = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else None
+        for off, n in _pieces(len(dest)):
+            assert flat is not None
+            works.append(dist.irecv(flat[off:off + n], group=group, group_src=src))
+    buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+    pending: list = [None, None]
+    k = 0
+    for dst in sorted(sends):
+        parts = [p for p in sends[dst] if len(p)]
+        total = sum(len(p) for p in parts)
+        cursor = [0, 0]  # part index, offset in it
+        for _off, n in _pieces(total):
+            slot = k % 2
+            if pending[slot] is not None:
+                pending[slot].wait()
+            if buffers[slot].numel() < n:
+                buffers[slot] = torch.empty(min(PIECE_BYTES, max(n, total)), dtype=torch.uint8)
+            buf = buffers[slot][:n]
+            filled = 0
+            while filled < n:
+                part = parts[cursor[0]]
+                take = min(n - filled, len(part) - cursor[1])
+                buf[filled:filled + take].copy_(torch.frombuffer(
+                    part[cursor[1]:cursor[1] + take], dtype=torch.uint8))
+                filled += take
+                cursor[1] += take
+                if cursor[1] == len(part):
+                    cursor = [cursor[0] + 1, 0]
+            pending[slot] = dist.isend(buf, group=group, group_dst=dst)
+            k += 1
+    for w in pending:
+        if w is not None:
+            w.wait()
+    for w in works:
+        if w is not None:
+            w.wait()

@@ -1,0 +1,193 @@
+"""A training job with a memory tier, launched by tests/test_recovery.py as
+one process per rank so that ranks and whole hosts can be killed.
+
+Hosts are simulated on one machine: ``--hosts`` names each rank's host, and
+a host's shared memory is its own folder ``<shm>/<host>`` (the tier's
+``namespace``), so losing a host is killing its processes and deleting its
+folder, and a replacement host is new processes with an empty folder.
+
+``python tests/recovery_job.py RANK WORLD PORT ROOT SHM OUT --hosts h0,h0,h1,h1
+[--resume] [--steps A B] [--persist N] [--flip-at K] [--kill-at K]
+[--extra NAME]``: optionally resumes (``load_latest``; the restored state is
+compared element-exact with what step S holds in an uninterrupted run: every
+value is a pure function of its fqn and the step), then trains steps
+``A..B`` (the state set to step S's values, then ``mgr.save``), a memory
+step every step and a persistent one every ``--persist``.  ``--flip-at K``:
+rank 1 flips one bit of the replicated tensor before step K's save (silent
+data corruption).  ``--kill-at K``: after step K's memory step committed,
+rank 1 kills itself with SIGKILL (the launcher then kills the rest, as
+torchrun does).  Each rank writes one JSON object per event to ``OUT.<rank>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dcp  # noqa: E402
+
+SHAPES = {"rep": (256, 512), "tp": (1024, 256), "dp": (512, 256)}  # fp32: 0.5, 1, 0.5 MiB
+
+
+def full(name: str, step: int) -> torch.Tensor:
+    """Tensor ``name`` at ``step`` in the uninterrupted run."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) * 1000 + step)
+    return torch.randn(SHAPES[name], generator=g)
+
+
+def boxes(name: str, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``name`` rank ``rank`` holds: ``rep`` on every
+    rank, ``tp`` one block per rank, ``dp`` one block per tensor-parallel
+    rank (``rank % 2``): replicas on ranks ``r`` and ``r + 2``."""
+    rows = SHAPES[name][0]
+    if name == "rep":
+        return 0, rows
+    parts, index = (world, rank) if name == "tp" else (min(2, world), rank % 2)
+    return rows * index // parts, rows * (index + 1) // parts
+
+
+def make_state(rank: int, world: int, step: int | None) -> dict:
+    model = {}
+    for name in SHAPES:
+        lo, hi = boxes(name, rank, world)
+        data = full(name, step)[lo:hi].clone() if step is not None else torch.zeros(
+            hi - lo, SHAPES[name][1])
+        model[name] = data if name == "rep" else dcp.TensorShard(data, SHAPES[name], (lo, 0))
+    return {"model": model, "meta": {"step": -1 if step is None else step}}
+
+
+def set_step(state: dict, rank: int, world: int, step: int) -> None:
+    for name in SHAPES:
+        lo, hi = boxes(name, rank, world)
+        t = state["model"][name]
+        (t if name == "rep" else t.data).copy_(full(name, step)[lo:hi])
+    state["meta"]["step"] = step
+
+
+def mismatches(state: dict, rank: int, world: int, step: int) -> list[str]:
+    bad = []
+    for name in SHAPES:
+        lo, hi = boxes(name, rank, world)
+        t = state["model"][name]
+        t = t if name == "rep" else t.data
+        if not torch.equal(t.view(torch.int32), full(name, step)[lo:hi].view(torch.int32)):
+            bad.append(name)
+    if state["meta"]["step"] != step:
+        bad.append(f"meta.step={state['meta']['step']}")
+    return bad
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    for a in ("rank", "world", "port"):
+        p.add_argument(a, type=int)
+    p.add_argument("root")
+    p.add_argument("shm")
+    p.add_argument("out")
+    p.add_argument("--hosts", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--steps", type=int, nargs=2)
+    p.add_argument("--persist", type=int, default=4)
+    p.add_argument("--flip-at", type=int)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--extra")
+    args = p.parse_args()
+    rank, world = args.rank, args.world
+    host = args.hosts.split(",")[rank]
+    out = open(f"{args.out}.{rank}", "a")
+
+    def emit(**record) -> None:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    tier = dcp.MemoryTier(host=host, namespace=os.path.join(args.shm, host), run_id="job",
+                          timeout=60)
+    mgr = dcp.CheckpointManager(args.root, interval=args.persist, keep_latest=0,
+                                save_rng=False, memory=tier)
+    state = make_state(rank, world, None)
+    if args.resume:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step = mgr.load_latest(state)
+        r = mgr.last_restore
+        emit(event="resume", step=step, bad=mismatches(state, rank, world, step),
+             warnings=[str(w.message) for w in caught],
+             source=None if r is None else {
+                 "own": r.bytes_own_host, "peer": r.bytes_other_hosts,
+                 "persistent": r.bytes_persistent, "refetched": r.chunks_refetched,
+                 "seconds": r.seconds})
+    if args.steps:
+        for step in range(args.steps[0], args.steps[1] + 1):
+            set_step(state, rank, world, step)
+            if args.flip_at == step and rank == 1:
+                state["model"]["rep"].view(torch.int32)[7, 3] ^= 1 << 5
+            try:
+                mgr.save(step, state)
+            except dcp.SilentDataCorruptionError as e:
+                emit(event="sdc", step=step, error=str(e),
+                     mismatches=[[m[0], list(m[1]), sorted(m[2]), m[3]] for m in e.mismatches])
+            if args.kill_at == step:
+                mgr.wait()
+                emit(event="killing", step=step, memory=mgr.memory_steps())
+                dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                signal.pause()  # the launcher kills the others
+        try:
+            mgr.wait()
+        except dcp.SilentDataCorruptionError as e:
+            emit(event="sdc", step=args.steps[1], error=str(e))
+        ms = mgr.last_memory_save
+        emit(event="trained", memory=mgr.memory_steps(), persistent=mgr.persistent_steps(),
+             errors=[str(e) for e in mgr.errors],
+             stall=None if ms is None else ms.stall_s)
+    if args.extra == "newer-persistent":
+        # a persistent step newer than every memory step wins (a job without the tier)
+        plain = dcp.CheckpointManager(args.root, interval=1, keep_latest=0, save_rng=False,
+                                      async_save=False, save_on_preemption=False)
+        set_step(state, rank, world, 13)
+        plain.save(13, state)
+        plain.close()
+        fresh = make_state(rank, world, None)
+        step = mgr.load_latest(fresh)
+        emit(event="newer-persistent", step=step, bad=mismatches(fresh, rank, world, 13),
+             from_memory=mgr.last_restore is not None)
+        # row 10: SIGTERM to one rank: every rank persists this step at once
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        set_step(fresh, rank, world, 14)
+        saved = mgr.save(14, fresh)
+        again = make_state(rank, world, None)
+        plain = dcp.CheckpointManager(args.root, save_rng=False, save_on_preemption=False)
+        emit(event="sigterm", saved=saved, preempted=mgr.preempted,
+             persistent=mgr.persistent_steps(), step=plain.load_latest(again),
+             bad=mismatches(again, rank, world, 14))
+        plain.close()
+        small = dcp.CheckpointManager(args.root + "-small", interval=100, save_rng=False,
+                                      memory=dcp.MemoryTier(host=host, namespace=os.path.join(
+                                          args.shm, host), run_id="small", host_bytes=4096))
+        small.save(1, state)
+        small.wait()
+        emit(event="refused", errors=[str(e) for e in small.errors],
+             memory=small.memory_steps())
+        small.close()
+    mgr.close()
+    emit(event="done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

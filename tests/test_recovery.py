@@ -1,0 +1,183 @@
+"""The memory tier's failure matrix (docs/recovery.md), on real gloo ranks.
+
+Hosts are simulated on one machine: a host is a group of ranks with its own
+shared-memory folder (``MemoryTier(host=..., namespace=...)``).  Losing a
+host means killing all its processes and deleting its folder; a replacement
+host is new processes with an empty folder.  Every job is separate
+processes (tests/recovery_job.py), so ranks can be killed with SIGKILL; a
+restored state is compared element-exact with what an uninterrupted run
+holds at that step (every value is a pure function of the fqn and step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dcp
+from dcp.recovery.host_store import chunk_table
+
+HERE = Path(__file__).resolve().parent
+# bytes of one rank's chunks in the 4-rank layout of recovery_job.py
+REP, TP_BLOCK, DP_BLOCK = 512 * 1024, 256 * 1024, 256 * 1024
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job(tmp: Path, name: str, hosts: list[str], *args: str, kill: bool = False,
+        timeout: float = 240) -> list[list[dict]]:
+    """Run one job of ``len(hosts)`` ranks; returns each rank's records.
+    With ``kill``, once any rank died the others are killed (as torchrun
+    tears a job down)."""
+    port, out = _port(), tmp / name
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    procs = [subprocess.Popen(
+        [sys.executable, str(HERE / "recovery_job.py"), str(r), str(len(hosts)), str(port),
+         str(tmp / "root"), str(tmp / "shm"), str(out), "--hosts", ",".join(hosts), *args],
+        env=env) for r in range(len(hosts))]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {name} did not finish in {timeout} s")
+            if kill and any(p.poll() is not None for p in procs):
+                time.sleep(0.5)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if not kill:
+        assert [p.returncode for p in procs] == [0] * len(procs), f"job {name} failed"
+    records = []
+    for r in range(len(hosts)):
+        path = Path(f"{out}.{r}")
+        records.append([json.loads(line) for line in path.read_text().splitlines()]
+                       if path.exists() else [])
+    return records
+
+
+def event(records: list[dict], name: str) -> dict:
+    found = [r for r in records if r["event"] == name]
+    assert found, f"no {name!r} record in {records}"
+    return found[-1]
+
+
+def wipe(tmp: Path, host: str) -> None:
+    shutil.rmtree(tmp / "shm" / host, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    yield tmp_path
+    shutil.rmtree(tmp_path / "shm", ignore_errors=True)
+
+
+def _held_at(step_dir: Path, fqn: str, offsets: list[int]) -> tuple[Path, int, int]:
+    """Where a host's copy of chunk ``(fqn, offsets)`` lies: its copies
+    file, byte offset and size (from the step's metadata and held lists)."""
+    md = dcp.read_metadata(str(step_dir))
+    names, nbytes, _, boxes = chunk_table(md)
+    cid = next(i for i, (n, b) in enumerate(zip(names, boxes, strict=True))
+               if n == fqn and b and list(b[0]) == offsets)
+    for held in step_dir.glob("held.r*.json"):
+        for file, ids, offs in json.loads(held.read_text())["files"]:
+            if file.endswith("-copies.data") and cid in ids:
+                return step_dir / file, offs[ids.index(cid)], int(nbytes[cid])
+    raise AssertionError(f"no copy of {fqn} {offsets} in {step_dir}")
+
+
+@pytest.mark.timeout(1200)  # four jobs of 2-4 ranks: about a minute on an idle 2-core machine
+def test_failure_matrix(tmp: Path) -> None:
+    """Rows 1, 2 with 8, 4 with 6, 9, 10, 11 and 12 of the matrix and a
+    refused memory save, in four jobs: 4 ranks on hosts h0, h1 (then 2)."""
+    two = ["h0", "h0", "h1", "h1"]
+    # job 1: steps 1..5, persistent step 4; rank 1 SIGKILLed after memory step 5
+    rec = job(tmp, "j1", two, "--steps", "1", "5", "--kill-at", "5", kill=True)
+    assert event(rec[0], "killing")["memory"] == [5]
+
+    # row 1: a rank killed, host memory intact: every byte from the own host.
+    # row 12: a bit flipped on rank 1 before step 6's save, raised (named) by
+    # the next save call, step 7's; step 6 is never kept, 8 and 9 are
+    rec = job(tmp, "j2", two, "--resume", "--steps", "6", "9", "--flip-at", "6")
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 5 and res["bad"] == [], (r, res)
+        assert res["source"]["peer"] == 0 and res["source"]["persistent"] == 0, res
+        assert res["source"]["own"] >= REP + TP_BLOCK + DP_BLOCK, res
+        sdc = event(ranks, "sdc")
+        assert sdc["step"] == 7, sdc
+        assert "'model.rep'" in sdc["error"] and "rank 1 is the odd one out" in sdc["error"]
+        assert sdc["mismatches"] == [["model.rep", [0, 0], [0, 1, 2, 3], 1]], sdc
+        done = event(ranks, "trained")
+        assert done["memory"] == [9] and done["persistent"] == [4, 8], done
+        assert done["errors"] == [], done
+
+    # row 2 with row 8: host h1 lost, replaced by an empty one, and ranks 1
+    # and 2 trade hosts; all from memory.  Steps 10..12 (12 persisted).
+    wipe(tmp, "h1")
+    moved = ["h0", "h1", "h0", "h1"]
+    rec = job(tmp, "j3", moved, "--resume", "--steps", "10", "12")
+    total = {"own": 0, "peer": 0, "persistent": 0}
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 9 and res["bad"] == [], (r, res)
+        for k in total:
+            total[k] += res["source"][k]
+        if moved[r] == "h1":
+            assert res["source"]["own"] == 0 and res["source"]["peer"] > 0, (r, res)
+        assert event(ranks, "trained")["persistent"] == [4, 8, 12]
+    assert total["persistent"] == 0, total
+    assert total["own"] + total["peer"] >= 4 * (REP + TP_BLOCK + DP_BLOCK), total
+
+    # row 9: back on 2 ranks, one per host, resharded from memory step 12.
+    # row 4: every copy of tp rows 768..1024 is lost (rank 3's own file on
+    # h1 deleted, every copies file on h0 truncated): that chunk, and only
+    # it, from the persistent tier.  row 6: h1's copy of rows 512..768
+    # flipped, h0's copies truncated: each goes to its next source.
+    step = tmp / "shm" / "h1" / "job" / "step-12"
+    os.remove(step / "r00003.data")
+    path, offset, _ = _held_at(step, "model.tp", [512, 0])
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        b = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    for f in (tmp / "shm" / "h0" / "job" / "step-12").glob("*-copies.data"):
+        os.truncate(f, 1)
+    # row 11: then a persistent step (13) newer than every memory step wins;
+    # row 10: SIGTERM on rank 0 persists step 14 on every rank at once; and
+    # a memory save over MemoryTier(host_bytes=...) is refused
+    rec = job(tmp, "j4", ["h0", "h1"], "--resume", "--extra", "newer-persistent")
+    lost = 0
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 12 and res["bad"] == [], (r, res)
+        lost += res["source"]["persistent"]
+        assert res["source"]["refetched"] >= 1, (r, res)
+        newer = event(ranks, "newer-persistent")
+        assert newer == {"event": "newer-persistent", "step": 13, "bad": [],
+                         "from_memory": False}, newer
+        term = event(ranks, "sigterm")
+        assert term["saved"] and term["preempted"] and term["step"] == 14, term
+        assert term["bad"] == [] and term["persistent"][-1] == 14, term
+        refused = event(ranks, "refused")
+        assert refused["memory"] == [] and any(
+            "host_bytes=4096" in e for e in refused["errors"]), refused
+    assert lost == TP_BLOCK, lost

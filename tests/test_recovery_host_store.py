@@ -1,0 +1,62 @@
+"""One host's memory steps without processes: a step counts only once
+committed (a save killed before ``COMMITTED`` leaves the previous step the
+newest: row 5 of the matrix by construction), a step failing twice is
+marked bad, damaged held lists count as holding nothing, and a host without
+the memory refuses a step instead of crashing."""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+
+import pytest
+
+from dcp.core.metadata import Metadata
+from dcp.errors import MemoryTierError
+from dcp.recovery.host_store import HostStore
+
+
+def test_only_committed_steps_count(tmp_path) -> None:
+    store = HostStore(tmp_path, "run", "h0")
+    for step in (3, 4):
+        store.begin(step)
+        store.write_metadata(step, Metadata(save_id=f"s{step}", world_size=1))
+        staged = store.stage(step, "r00000.data", 16)
+        staged.view[:] = bytes(range(16))
+        staged.close()
+        store.write_held(step, 0, {"files": [["r00000.data", [0], [0]]]})
+    store.commit(3)  # step 4 was killed before its commit
+    assert store.steps() == [3] and store.steps(committed=False) == [3, 4]
+    assert store.held(3) == {0: ("r00000.data", 0)}
+    out = memoryview(bytearray(32))
+    assert store.read(3, "r00000.data", 8, out) == 8  # short: the file ends
+    assert bytes(out[:8]) == bytes(range(8, 16))
+    (store.step_dir(3) / "held.r00001.json").write_text("{not json")
+    (store.step_dir(3) / "held.r00002.json").write_text(json.dumps(
+        {"files": [["../escape.data", [1], [0]]]}))
+    assert store.held(3) == {0: ("r00000.data", 0)}  # damaged lists hold nothing
+    assert store.record_failure(3, "copies damaged") == 1 and store.steps() == [3]
+    assert store.record_failure(3, "copies damaged") == 2 and store.steps() == []
+    store.begin(4)  # a new save of a step clears its old marks
+    store.drop_except({4})
+    assert store.steps(committed=False) == [4]
+
+
+def test_a_host_without_the_memory_refuses_the_step(tmp_path) -> None:
+    store = HostStore(tmp_path, "run", "h0")
+    store.begin(1)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(MemoryTierError) as info:
+            store.stage(1, "r00000.data", 64 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "cannot reserve 67108864 bytes" in str(info.value) and "h0" in str(info.value)
+    assert not (store.step_dir(1) / "r00000.data").exists()
+    staged = store.stage(1, "r00000.data", 1 << 20)  # reserved whole, not a sparse file
+    assert (store.step_dir(1) / "r00000.data").stat().st_blocks * 512 >= 1 << 20
+    staged.close()
