@@ -588,7 +588,8 @@ def _trainers_killed_after_save_then_resumed(ctx) -> None:
         if codes == [-signal.SIGKILL] * world:  # until the background processes committed
             _wait_for(ctx.dir / "run" / "step-6" / "metadata.json", timeout=120)
         (ctx.dir / "codes").write_text(json.dumps(codes))
-    assert json.loads(_wait_for(ctx.dir / "codes")) == [-signal.SIGKILL] * world
+    codes = json.loads(_wait_for(ctx.dir / "codes"))
+    assert codes == [-signal.SIGKILL] * world, codes
     killed = _records(out, ctx.rank)[-1]
     assert killed["killed"] == 6, killed
     mgr = dcp.CheckpointManager(root, interval=2, async_save=False)
