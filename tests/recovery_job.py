@@ -7,16 +7,20 @@ a host's shared memory is its own folder ``<shm>/<host>`` (the tier's
 folder, and a replacement host is new processes with an empty folder.
 
 ``python tests/recovery_job.py RANK WORLD PORT ROOT SHM OUT --hosts h0,h0,h1,h1
-[--resume] [--steps A B] [--persist N] [--flip-at K] [--kill-at K]
-[--extra NAME]``: optionally resumes (``load_latest``; the restored state is
+[--resume] [--steps A B] [--persist N] [--flip-at K] [--kill-in-replication K]
+[--sample-memory] [--extra NAME]``: optionally resumes (``load_latest``; the restored state is
 compared element-exact with what step S holds in an uninterrupted run: every
 value is a pure function of its fqn and the step), then trains steps
 ``A..B`` (the state set to step S's values, then ``mgr.save``), a memory
 step every step and a persistent one every ``--persist``.  ``--flip-at K``:
 rank 1 flips one bit of the replicated tensor before step K's save (silent
-data corruption).  ``--kill-at K``: after step K's memory step committed,
-rank 1 kills itself with SIGKILL (the launcher then kills the rest, as
-torchrun does).  Each rank writes one JSON object per event to ``OUT.<rank>``.
+data corruption).  ``--kill-in-replication K``: rank 1 kills itself with
+SIGKILL as step K's memory step starts sending its copies to the other host
+(the launcher then kills the rest, as torchrun does).  ``--sample-memory``:
+rank 0 samples the bytes its host's namespace holds (allocated blocks of
+every file) every millisecond while training, and reports the peak and the
+bytes once the last step committed.  Each rank writes one JSON object per event
+to ``OUT.<rank>``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import warnings
 import zlib
 
@@ -36,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dcp  # noqa: E402
+from dcp.recovery import replicate  # noqa: E402
 
 SHAPES = {"rep": (256, 512), "tp": (1024, 256), "dp": (512, 256)}  # fp32: 0.5, 1, 0.5 MiB
 
@@ -88,6 +95,44 @@ def mismatches(state: dict, rank: int, world: int, step: int) -> list[str]:
     return bad
 
 
+def namespace_bytes(folder: str) -> int:
+    """Allocated bytes of every file under ``folder`` (a host's namespace)."""
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass  # dropped while walking
+    return total
+
+
+class Sampler(threading.Thread):
+    """The peak of :func:`namespace_bytes`, sampled every millisecond."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(daemon=True)
+        self.folder, self.peak, self.stop = folder, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, namespace_bytes(self.folder))
+            time.sleep(0.001)
+
+
+def kill_in_replication(step: int, emit, mgr) -> None:
+    """SIGKILL this process as memory step ``step`` sends its copies."""
+    exchange = replicate.exchange
+
+    def dying(sends, recvs, group) -> None:
+        if threading.current_thread().name == f"dcp-memory-step-{step}":
+            emit(event="killing", step=step, memory=mgr.memory_steps())
+            os.kill(os.getpid(), signal.SIGKILL)
+        exchange(sends, recvs, group)
+
+    replicate.exchange = dying
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     for a in ("rank", "world", "port"):
@@ -100,7 +145,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs=2)
     p.add_argument("--persist", type=int, default=4)
     p.add_argument("--flip-at", type=int)
-    p.add_argument("--kill-at", type=int)
+    p.add_argument("--kill-in-replication", type=int)
+    p.add_argument("--sample-memory", action="store_true")
     p.add_argument("--extra")
     args = p.parse_args()
     rank, world = args.rank, args.world
@@ -129,7 +175,13 @@ def main() -> None:
                  "own": r.bytes_own_host, "peer": r.bytes_other_hosts,
                  "persistent": r.bytes_persistent, "refetched": r.chunks_refetched,
                  "seconds": r.seconds})
+    if args.kill_in_replication is not None and rank == 1:
+        kill_in_replication(args.kill_in_replication, emit, mgr)
     if args.steps:
+        sampler = Sampler(os.path.join(args.shm, host)) if args.sample_memory and rank == 0 \
+            else None
+        if sampler is not None:
+            sampler.start()
         for step in range(args.steps[0], args.steps[1] + 1):
             set_step(state, rank, world, step)
             if args.flip_at == step and rank == 1:
@@ -139,17 +191,16 @@ def main() -> None:
             except dcp.SilentDataCorruptionError as e:
                 emit(event="sdc", step=step, error=str(e),
                      mismatches=[[m[0], list(m[1]), sorted(m[2]), m[3]] for m in e.mismatches])
-            if args.kill_at == step:
-                mgr.wait()
-                emit(event="killing", step=step, memory=mgr.memory_steps())
-                dist.barrier()
-                if rank == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                signal.pause()  # the launcher kills the others
         try:
             mgr.wait()
         except dcp.SilentDataCorruptionError as e:
             emit(event="sdc", step=args.steps[1], error=str(e))
+        if args.sample_memory:
+            dist.barrier()  # every rank's last step committed
+        if sampler is not None:
+            sampler.stop.set()
+            sampler.join()
+            emit(event="memory", peak=sampler.peak, steady=namespace_bytes(sampler.folder))
         ms = mgr.last_memory_save
         emit(event="trained", memory=mgr.memory_steps(), persistent=mgr.persistent_steps(),
              errors=[str(e) for e in mgr.errors],
@@ -184,6 +235,41 @@ def main() -> None:
         emit(event="refused", errors=[str(e) for e in small.errors],
              memory=small.memory_steps())
         small.close()
+        # a memory step no source can restore (step 15, not persisted: every
+        # host's data files damaged) fails once per load_latest; the second
+        # failure marks it bad; each time the next older step (persistent 14)
+        # is loaded whole
+        again = dcp.CheckpointManager(args.root, interval=4, keep_latest=0, save_rng=False,
+                                      memory=tier)
+        set_step(fresh, rank, world, 15)
+        again.save(15, fresh)
+        again.wait()
+        saved = again.memory_steps()
+        dist.barrier()
+        folder = os.path.join(args.shm, host, "job", "step-15")
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if name.endswith(".data") and os.path.getsize(path):
+                with open(path, "r+b") as f:
+                    first = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([first[0] ^ 0xFF]))
+        dist.barrier()
+        loads = []
+        for _ in range(2):
+            target = make_state(rank, world, None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                step = again.load_latest(target)
+            with open(os.path.join(folder, "failures")) as f:
+                count = int(f.read().split()[0])
+            loads.append({"step": step, "bad": mismatches(target, rank, world, step),
+                          "from_memory": again.last_restore is not None, "failures": count,
+                          "memory": again.memory_steps(),
+                          "warned": any("memory step 15 cannot be restored" in str(w.message)
+                                        for w in caught)})
+        emit(event="unrestorable", saved=saved, loads=loads)
+        again.close()
     mgr.close()
     emit(event="done")
     dist.destroy_process_group()

@@ -105,17 +105,23 @@ def _held_at(step_dir: Path, fqn: str, offsets: list[int]) -> tuple[Path, int, i
 
 @pytest.mark.timeout(1200)  # four jobs of 2-4 ranks: about a minute on an idle 2-core machine
 def test_failure_matrix(tmp: Path) -> None:
-    """Rows 1, 2 with 8, 4 with 6, 9, 10, 11 and 12 of the matrix and a
-    refused memory save, in four jobs: 4 ranks on hosts h0, h1 (then 2)."""
+    """Rows 1 with 5, 2 with 8, 4 with 6, 9, 10, 11 and 12 of the matrix, the
+    host memory bound, a refused memory save and a step that fails to
+    restore twice, in four jobs: 4 ranks on hosts h0, h1 (then 2)."""
     two = ["h0", "h0", "h1", "h1"]
-    # job 1: steps 1..5, persistent step 4; rank 1 SIGKILLed after memory step 5
-    rec = job(tmp, "j1", two, "--steps", "1", "5", "--kill-at", "5", kill=True)
-    assert event(rec[0], "killing")["memory"] == [5]
+    # job 1: steps 1..6, persistent step 4; row 5: rank 1 SIGKILLed as memory
+    # step 6 sends its copies (h0's copies of step 5 released already)
+    rec = job(tmp, "j1", two, "--steps", "1", "6", "--kill-in-replication", "6", kill=True)
+    assert event(rec[1], "killing")["memory"] == [5]
+    assert (tmp / "shm" / "h1" / "job" / "step-6").is_dir()  # half-written, not committed
 
-    # row 1: a rank killed, host memory intact: every byte from the own host.
+    # rows 1 and 5: a rank killed, host memory intact: the previous committed
+    # step (5, never a mix with 6), every byte from the own host.
     # row 12: a bit flipped on rank 1 before step 6's save, raised (named) by
-    # the next save call, step 7's; step 6 is never kept, 8 and 9 are
-    rec = job(tmp, "j2", two, "--resume", "--steps", "6", "9", "--flip-at", "6")
+    # the next save call, step 7's; step 6 is never kept, 8 and 9 are.
+    # memory bound: h0's namespace sampled while steps 6..9 are saved
+    rec = job(tmp, "j2", two, "--resume", "--steps", "6", "9", "--flip-at", "6",
+              "--sample-memory")
     for r, ranks in enumerate(rec):
         res = event(ranks, "resume")
         assert res["step"] == 5 and res["bad"] == [], (r, res)
@@ -128,6 +134,16 @@ def test_failure_matrix(tmp: Path) -> None:
         done = event(ranks, "trained")
         assert done["memory"] == [9] and done["persistent"] == [4, 8], done
         assert done["errors"] == [], done
+    # h0 holds rep once, its ranks' tp and dp blocks (unique: 1.5 MiB) and
+    # copies of h1's tp blocks (0.5 MiB); small files (metadata, held lists,
+    # the manager's records) are a few pages
+    unique, copies, small = REP + 2 * TP_BLOCK + 2 * DP_BLOCK, 2 * TP_BLOCK, 64 << 10
+    mem = event(rec[0], "memory")
+    assert unique + copies <= mem["steady"] <= unique + copies + small <= 2.0 * unique, mem
+    # during a save: the old step's own bytes, the new step's and one set of
+    # copies (the old step's released before the new ones are reserved)
+    assert 2 * unique + copies <= mem["peak"] <= 2 * unique + copies + 2 * small, mem
+    assert mem["peak"] <= 3.0 * unique, mem
 
     # row 2 with row 8: host h1 lost, replaced by an empty one, and ranks 1
     # and 2 trade hosts; all from memory.  Steps 10..12 (12 persisted).
@@ -180,4 +196,14 @@ def test_failure_matrix(tmp: Path) -> None:
         refused = event(ranks, "refused")
         assert refused["memory"] == [] and any(
             "host_bytes=4096" in e for e in refused["errors"]), refused
+        # a memory step that fails to restore twice is marked bad; each time
+        # the next older step (persistent 14) is loaded, whole
+        unrestorable = event(ranks, "unrestorable")
+        assert unrestorable["saved"] == [15], unrestorable
+        first, second = unrestorable["loads"]
+        for load in (first, second):
+            assert load["step"] == 14 and load["bad"] == [] and load["warned"], load
+            assert not load["from_memory"], load
+        assert first["failures"] == 1 and first["memory"] == [15], first
+        assert second["failures"] == 2 and second["memory"] == [], second
     assert lost == TP_BLOCK, lost

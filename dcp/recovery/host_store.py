@@ -139,6 +139,23 @@ class HostStore:
     def commit(self, step: int) -> None:
         _atomic_write(self.step_dir(step) / COMMITTED, b"")
 
+    def release(self, step: int, rank: int, files: tuple[str, ...]) -> None:
+        """Rank ``rank`` stops holding ``files`` of ``step``: its held list
+        loses them first (atomically), then they are deleted, so the step
+        never lists bytes that are gone.  A step missing is a no-op."""
+        d = self.step_dir(step)
+        path = d / f"held.r{rank:05d}.json"
+        try:
+            rec = json.loads(path.read_bytes())
+            rec["files"] = [f for f in rec["files"] if f[0] not in files]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            rec = None  # no list, or a damaged one (it holds nothing): the files go
+        if rec is not None:
+            _atomic_write(path, json.dumps(rec, separators=(",", ":")).encode())
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                (d / name).unlink()
+
     def drop(self, step: int) -> None:
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
 

@@ -237,7 +237,6 @@ class Snapshotter:
             store.begin(step)
             own = store.stage(step, own_file(g.rank), layout.own_bytes)
             staged.append(own)
-            staged.append(store.stage(step, copies_file(g.rank), layout.copies_bytes))
             writes = {int(i): int(o) for i, o in zip(layout.own_ids.tolist(),
                                                      layout.own_offsets.tolist(), strict=True)}
             for (fqn, offsets), chunk in described.chunks.items():
@@ -308,7 +307,7 @@ class Snapshotter:
             for cid, off in zip(layout.own_ids.tolist(), layout.own_offsets.tolist(),
                                 strict=True):
                 crc[cid] = checksum(own.view[off:off + int(layout.nbytes[cid])])
-        bf = staged[2] if len(staged) > 2 else None
+        bf = staged[1] if len(staged) > 1 else None
         blob_crc = [checksum(bf.view[o:o + n]) if bf is not None else 0
                     for _, n, _, o in blobs]
         mine = (failure, np.array(sorted(crc), dtype=np.int64),
@@ -350,7 +349,8 @@ class Snapshotter:
         sends = {dst: [own.view[o:o + int(layout.nbytes[c])]
                        for c, o in self._offsets(layout, ids)]
                  for dst, ids in layout.copy_out.items()}
-        copies = staged[1]
+        copies = self._stage_copies(step, layout.copies_bytes)
+        staged.append(copies)
         recvs = {}
         for src, (ids, offs) in layout.copy_in.items():
             lo = int(offs[0])
@@ -381,6 +381,19 @@ class Snapshotter:
             store.drop_except({step})
         dist.barrier(group=g.group)
         return self._persist_state(layout, blob_hold, everyone, own)
+
+    def _stage_copies(self, step: int, nbytes: int) -> Staged:
+        """This rank's copies file of ``step``, reserved once the previous
+        committed step has released its copies on this rank (memory bound:
+        a host holds one step's copies at a time, so a save peaks at the old
+        step's own bytes, the new step's and one set of copies; the old step
+        stays complete wherever its holders' hosts survive, and a host lost
+        now sends its single-host chunks of it to the persistent tier)."""
+        g = self.g
+        older = [s for s in g.store.steps() if s < step]
+        if older:
+            g.store.release(older[-1], g.rank, (copies_file(g.rank), blob_copies_file(g.rank)))
+        return g.store.stage(step, copies_file(g.rank), nbytes)
 
     @staticmethod
     def _offsets(layout: Layout, ids: np.ndarray) -> list[tuple[int, int]]:
