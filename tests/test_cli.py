@@ -375,3 +375,33 @@ def test_converting_a_non_hyperdcp_source_to_a_ckpt_name_is_a_usage_error(tmp_pa
     assert code == 0 and (tmp_path / "o.ckpt").is_file(), err
     code, out, err = _run(capsys, "inspect", str(tmp_path / "o.ckpt"))
     assert code == 0 and "mindspore" in out, err
+
+
+def test_a_memory_tier_step_is_never_pruned_or_verified_as_a_whole_checkpoint(tmp_path, capsys):
+    """One host's part of a memory-tier step (its held list, and a copies
+    file holding another host's chunks) is listed as a memory step; prune
+    leaves every file of it, and verify refuses it by name.  The same
+    folder without its held list is an ordinary checkpoint with an orphan,
+    which prune deletes: what made the copies vanish before."""
+    step = tmp_path / "run-0123" / "step-3"
+    state = _state()
+    dcp.save(state, str(step))
+    copies = step / "r00000-copies.data"
+    copies.write_bytes(b"\x01" * 4096)
+    (step / "held.r00000.json").write_text('{"files": [["r00000-copies.data", 4096]]}')
+
+    code, out, _ = _run(capsys, "list", str(tmp_path))
+    assert code == 0 and "run-0123/step-3: memory step" in out and "orphaned" not in out
+    code, out, _ = _run(capsys, "prune", str(tmp_path), "--min-age", "0")
+    assert code == 0 and copies.read_bytes() == b"\x01" * 4096
+    code, _, err = _run(capsys, "verify", str(step))
+    assert code == 1 and "memory-tier step" in err
+    restored = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": 0}
+    dcp.load(restored, str(step))
+    for k, v in state["model"].items():
+        assert_bitwise_equal(restored["model"][k], v)
+    assert restored["step"] == 7
+
+    (step / "held.r00000.json").unlink()
+    code, out, _ = _run(capsys, "prune", str(tmp_path), "--min-age", "0")
+    assert code == 0 and not copies.exists()

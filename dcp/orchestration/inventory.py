@@ -16,6 +16,13 @@ since a save still in flight looks exactly like an interrupted one.  The
 next save that commits to a checkpoint id deletes that id's orphaned data
 files itself (:func:`dcp.orchestration.save.delete_stale`).  The state of
 each step is what a checkpoint manager needs too.
+
+A memory-tier step (:mod:`dcp.recovery`, one host's part of a step in its
+shared memory) is a checkpoint folder too, but not a whole one: its
+metadata names the other hosts' files, which live on those hosts, and its
+``-copies`` files hold other hosts' chunks.  It is recognised by its held
+lists (``held.r<rank>.json``) and reported as :data:`MEMORY`: none of its
+files is an orphan, and :func:`prune` never touches it.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ _RANK_METADATA = re.compile(r"metadata\.rank\d{5}\.json")
 _COMMIT_TEMP = re.compile(r"\.metadata[^/]*\.tmp")
 #: The data files a conversion (dcp.interop) writes: ``convert-K.<save id>.data``.
 _CONVERT_DATA = re.compile(r"convert-[^/]*\.data")
+#: What each rank of a memory-tier step holds (:mod:`dcp.recovery.host_store`).
+_HELD_LIST = re.compile(r"held\.r\d{5}\.json")
 
-COMPLETE, INCOMPLETE, DAMAGED = "complete", "incomplete", "damaged"
+COMPLETE, INCOMPLETE, DAMAGED, MEMORY = "complete", "incomplete", "damaged", "memory step"
 
 
 def file_kind(name: str) -> str | None:
@@ -60,8 +69,9 @@ class Inventory:
     """One checkpoint folder: ``name`` (relative to the scanned root, ``""``
     for the root itself), its ``uri``, ``state`` (:data:`COMPLETE`,
     :data:`INCOMPLETE`: hyperdcp files but no committed metadata — an
-    interrupted save or one in flight —, or :data:`DAMAGED`: its metadata
-    does not decode), ``detail`` (why), the bytes of its hyperdcp files
+    interrupted save or one in flight —, :data:`DAMAGED`: its metadata
+    does not decode, or :data:`MEMORY`: one host's part of a memory-tier
+    step, which has no orphans), ``detail`` (why), the bytes of its hyperdcp files
     (``nbytes``; ``None`` where the storage does not say), ``age_s`` (since
     its newest file was written; ``None`` if unknown), its ``orphans``
     (name -> (bytes, age in seconds), ``None`` where unknown) and, when
@@ -99,6 +109,13 @@ def inspect_checkpoint(storage: StoragePlugin, name: str = "",
     entry = Inventory(name, storage.checkpoint_id, INCOMPLETE,
                       nbytes=None if None in sizes else sum(s for s in sizes if s is not None),
                       age_s=min(ages) if ages and len(ages) == len(ours) else None)
+    if any(_HELD_LIST.fullmatch(n) for n in stats):
+        entry.state = MEMORY
+        entry.detail = ("one host's part of a memory-tier step (dcp.MemoryTier): the other hosts' "
+                        "files live on those hosts and its -copies files hold their chunks; "
+                        "load_latest checks every chunk's CRC-32C as it restores, and the "
+                        "CheckpointManager that wrote it drops it")
+        return entry
     try:
         md = decode(read_metadata_bytes(storage), f"{storage.checkpoint_id}/{METADATA_FILE}")
     except NotACheckpointError as e:

@@ -182,6 +182,11 @@ def _verify(args) -> int:
         return EXIT_DAMAGED
     try:
         fmt, storage = _open(args.uri, _options(args.option))
+        if fmt == "hyperdcp":
+            entry = inventory.inspect_checkpoint(storage)
+            if entry.state == inventory.MEMORY:
+                raise CheckpointError(f"{args.uri} is {entry.detail}; verify checks whole "
+                                      f"checkpoints (a persistent step)")
         report = verify(args.uri, storage=storage, progress=_progress(args))
     except CorruptCheckpointError as e:
         print(f"DAMAGED: {e}")
@@ -325,6 +330,8 @@ def _list(args) -> int:
                       f"save or one in flight")
         elif e.state == inventory.DAMAGED:
             state += f": {e.detail}"
+        elif e.state == inventory.MEMORY:
+            state += ": one host's part, managed by its CheckpointManager (nothing to prune)"
         print(f"{e.name or '.'}: {state}; {_size(e.nbytes)}, written {_age(e.age_s)}")
     orphaned = sum(len(e.orphans) for e in found if e.name not in bad)
     if orphaned:
