@@ -79,6 +79,7 @@ from dcp.asynchronous import worker as worker_module
 from dcp.asynchronous.staging import Layout, Stager
 from dcp.asynchronous.worker import (
     Outcome,
+    Persister,
     Rendezvous,
     SaveJob,
     WorkerDied,
@@ -88,6 +89,7 @@ from dcp.asynchronous.worker import (
     read_abort,
     refuse_main_rerun,
     unguarded_main,
+    unreachable_from_worker,
 )
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.plan_cache import PlanCache
@@ -117,7 +119,9 @@ class AsyncSaveStats:
     plan (on a plan-cache hit only the key check).  ``persist_s``: background
     time from receiving the save to its commit.  ``plan_exchanged``: whether
     local plans were exchanged (False on a plan-cache hit and with
-    ``coordination="none"``).
+    ``coordination="none"``).  ``in_trainer``: whether the save ran on a
+    thread of the calling process, its background process still starting
+    (docs/async-save.md).
     """
 
     stall_s: float
@@ -125,6 +129,7 @@ class AsyncSaveStats:
     planning_s: float
     persist_s: float
     plan_exchanged: bool
+    in_trainer: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,8 @@ class _Saver:
         self.worker_layout: Layout | None = None  # the buffer this worker holds
         self.worker_fresh = False  # the worker has had no job yet: send it the plan cache
         self.plans = PlanCache()  # a copy of the worker's, for a new worker
+        #: runs the saves on the persist thread while the worker starts
+        self.here = Persister(in_process=True)
         self.seq = 0
         self.counters = AsyncSaveCounters()
 
@@ -338,7 +345,7 @@ class _Saver:
             bytes_staged=self.stager.bytes_staged, staging_allocations=self.stager.allocations)
         staged_bytes = sum(c.nbytes for c in job.layout.chunks) if job.layout is not None else 0
         response.stats = AsyncSaveStats(stall, staged_bytes, outcome.planning_s,
-                                        outcome.persist_s, outcome.exchanged)
+                                        outcome.persist_s, outcome.exchanged, outcome.in_trainer)
         finish()
         if outcome.error is not None:
             response._outcome.set_exception(outcome.error)
@@ -386,13 +393,35 @@ class _Saver:
         if self.store is not None and job.coordination != "none" and self.world_size > 1:
             publish_abort(self.store, job.seq, cause)
 
+    def _run_here(self, job: SaveJob) -> Outcome:
+        """Run ``job`` on this (persist) thread, as the worker would, with
+        the plan cache's copy: no save waits for the worker's start.  The
+        trainer's garbage collector, thread count and priority are left as
+        they are; the save takes some of the trainer's CPU and GIL instead
+        (docs/async-save.md)."""
+        culprit = unreachable_from_worker((job.storage, job.planner, job.before_commit))
+        if culprit is not None:  # refused as the worker would refuse it
+            return Outcome(job.seq, alone=True, error=CheckpointError(
+                f"rank {self.rank}: the async save to {job.checkpoint_id!r} passed {culprit}, "
+                f"which its background process cannot import: a class or function of a "
+                f"script fed on standard input or typed at a prompt is not; define it in a "
+                f"module"))
+        self.here.cache = PlanCache()
+        job = replace(job, plan_entries=list(self.plans.entries.values()))
+        outcome, cleanup = self.here.run(job, lambda: None)
+        cleanup()
+        return replace(outcome, in_trainer=True)
+
     def _submit_and_wait(self, job: SaveJob) -> Outcome:
         """Hand ``job`` to a live worker (a new one if the last died while
         idle, with the plan cache's copy; the staging buffer only if the
         worker lacks it) and wait for its outcome, watching the save's
-        abort key."""
+        abort key.  While the worker is still starting, a save coordinated
+        over gloo (or not at all) runs here instead (:meth:`_run_here`)."""
         for attempt in (0, 1):
             worker = self.ensure_worker()
+            if job.coordination != "file" and not worker.ready():
+                return self._run_here(job)
             sent = job
             if self.worker_fresh:
                 sent = replace(sent, plan_entries=list(self.plans.entries.values()))
