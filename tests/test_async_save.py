@@ -659,7 +659,7 @@ if __name__ == "__main__":
     root = sys.argv[1]
     sd = {"w": torch.randn(256, 1024)}
     start = time.monotonic()
-    mgr = dcp.CheckpointManager(root + "/run", interval=1, save_rng=False)
+    mgr = dcp.CheckpointManager(root + "/run", interval=1, keep_latest=0, save_rng=False)
     assert mgr.load_latest(sd) is None  # the resume: nothing there yet
     worker = _saver_for(None).worker
     called, starting, blocks, values = [], [], [], {}
