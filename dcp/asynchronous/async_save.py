@@ -4,7 +4,15 @@
 reused shared-memory staging buffer (:mod:`dcp.asynchronous.staging`) and returns.
 Planning, coordination, writing and commit run in a persistent background
 process per rank (:mod:`dcp.asynchronous.worker`), so the trainer's Python, GIL and
-communicators are untouched while the checkpoint persists.
+communicators are untouched while the checkpoint persists.  Until that
+process has started (seconds: spawn, ``import torch``), a save coordinated
+over gloo or not at all runs the same code on the trainer's save thread
+instead, so that no save waits for the start; its steps then go over the
+job's rendezvous store on every rank
+(:class:`dcp.coordination.store_exchange.StoreCoordinator`), and it takes
+some of the trainer's CPU and GIL (docs/async-save.md).  A ``"file"`` save
+waits for the process: the file protocol's waits cannot watch the abort
+key that bounds a save whose peer died.
 
 Coordination of the background processes (``coordination=``):
 
@@ -56,7 +64,8 @@ worker that re-runs the script's top-level code (which blocks in
 ``init_process_group`` or trains) fails it within ``timeout``.  A script fed
 on standard input has no file to re-run, and its worker starts without it.
 :func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
-starts the worker before the first save, so that no save waits for it.
+starts the worker before the first save, so that fewer saves run in the
+trainer.
 """
 
 from __future__ import annotations
@@ -543,9 +552,9 @@ def async_save_counters(process_group=None) -> AsyncSaveCounters:
 def prestart_async_worker(process_group=None) -> None:
     """Start this rank's background save process for ``process_group``'s
     async saves now, and return at once: it starts (spawn, ``import
-    torch``: seconds) while the caller resumes and trains, so that no
-    :func:`async_save` waits for it.  Without it, the first save starts the
-    process and a second save soon after blocks until the first is done.
+    torch``: seconds) while the caller resumes and trains; saves before it
+    is up run in the trainer (module doc).  Without it, the first save
+    starts the process.
     :class:`dcp.CheckpointManager` calls it when made with
     ``async_save=True``.  Call it on every rank of the group (it makes the
     group's saver, in the order the ranks' first async saves would); a
