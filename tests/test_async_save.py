@@ -484,8 +484,9 @@ def test_peer_worker_killed_while_a_save_runs_in_the_trainer_w2(ctx):
     """Rank 0's background process is killed while idle, so its next save
     runs in its trainer (the replacement is still starting) and that save's
     steps go over the job's store; rank 1's process, up and held in its
-    write (30 s, timeout=60), is killed 1 s in: every rank's result()
-    raises within 10 s, naming rank 1; the previous checkpoint loads
+    write (30 s, timeout=60), is killed once rank 0 has written (so rank 0
+    waits for it in a step over the store): every rank's result() raises
+    within 10 s, naming rank 1; the previous checkpoint loads
     bit-exact, the failed one is refused, and the next save loads
     bit-exact."""
     previous, failed, after = (ctx.dir / f"trainer-{n}" for n in ("previous", "failed", "after"))
@@ -497,8 +498,11 @@ def test_peer_worker_killed_while_a_save_runs_in_the_trainer_w2(ctx):
     start = time.monotonic()
     response = dcp.async_save(state(ctx, 171), str(failed), timeout=60,
                               storage=FlakyStorage(str(failed), delay=30.0 * ctx.rank))
-    if ctx.rank == 1:
-        time.sleep(1.0)
+    if ctx.rank == 1:  # once rank 0 has written, it waits for rank 1 in a step over the store
+        deadline = time.monotonic() + 30
+        while not (failed.is_dir() and any(p.suffix == ".data" for p in failed.iterdir())):
+            assert time.monotonic() < deadline, "rank 0 wrote no data file"
+            time.sleep(0.02)
         kill_worker()
     with pytest.raises(dcp.CheckpointError) as ei:
         response.result(WAIT)
