@@ -45,8 +45,9 @@ class MemoryTier:
             run id under it.
         host_bytes: the most bytes the memory steps of this run may hold on
             one host, the step being saved included (``None``: only the
-            namespace's free space limits); a save over it is refused with
-            :class:`dcp.errors.MemoryTierError`.
+            namespace's free space limits); a save over it is refused: a
+            :class:`dcp.errors.MemoryTierError` in the manager's ``errors``,
+            warned on every rank as any failed save is, training going on.
         run_id: the run's identity under the namespace (default: derived
             from the manager's root), so a job never restores another
             run's memory steps.
