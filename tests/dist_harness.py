@@ -396,7 +396,10 @@ class SessionGroups:
     in ascending phase order (all groups of a lower phase run before any group of
     a higher one)."""
 
+    instances: list[SessionGroups] = []  # this session's, for the durations summary
+
     def __init__(self, base: Path):
+        SessionGroups.instances.append(self)
         self.base = Path(base)
         self.shared = self.base / "shared"
         self.results: dict[tuple[int, int], GroupResult] = {}
