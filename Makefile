@@ -46,7 +46,7 @@ demo: install-base
 	$(PY) -m dcp demo
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests
 
 lint: install
 	$(PIP) -e '.[lint]'

@@ -4,9 +4,28 @@ directly, and so do the spawned ranks."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dist_harness import SessionGroups
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes share the 2 cores CI has: one thread each, or their
+    # intra-op pools spin against each other
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist names the groups
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``--dist loadgroup``), every test that needs the
+    spawned groups runs in one worker, so each group is spawned once per run
+    (the groups of a session share ``ctx.shared`` across phases)."""
+    for item in items:
+        if "dist_groups" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("dist_groups"))
 
 
 @pytest.fixture(scope="session")

@@ -123,8 +123,7 @@ def dist_scenario(world_size: int, *, phase: int = DEFAULT_PHASE, last: bool = F
         test.__qualname__ = fn.__qualname__
         test.__module__ = fn.__module__
         test.__doc__ = fn.__doc__
-        test = pytest.mark.timeout(SESSION_TEST_TIMEOUT)(test)
-        return test
+        return pytest.mark.timeout(SESSION_TEST_TIMEOUT)(test)
 
     return deco
 
