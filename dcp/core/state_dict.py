@@ -3,7 +3,11 @@
 A state dict is a tree of dicts, lists and tuples.  Its leaves are tensors
 (anything :func:`dcp.core.tensors.is_tensor_like` accepts) and plain values.  The
 fqn of a leaf is the dotted path of keys and list indices leading to it:
-``{"model": {"layers": [{"w": t}]}}`` gives ``model.layers.0.w``.
+``{"model": {"layers": [{"w": t}]}}`` gives ``model.layers.0.w``.  Its
+path is the same keys as a tuple, dict keys as strings and list indices as
+ints (``("model", "layers", 0, "w")``), as PyTorch DCP's flattening records
+them: the fqn alone cannot say which dots were a key's own
+(``{"model": {"layers.0.w": t}}`` has the same fqn).
 
 Lists and tuples are descended into only when they contain a tensor
 somewhere; a list of plain values (an optimizer's ``params`` list, say) is a
@@ -21,11 +25,13 @@ from dcp.errors import CheckpointError
 
 @dataclass
 class Leaf:
-    """One leaf: its value and how to replace it in its container."""
+    """One leaf: its value, how to replace it in its container, and its path
+    (dict keys as ``str``, list and tuple indices as ``int``)."""
 
     value: Any
     container: Any
     key: Any
+    path: tuple[str | int, ...] = ()
 
     def replace(self, fqn: str, value: Any) -> None:
         """Set a new value in place of this leaf (tensors are filled in place
@@ -55,7 +61,7 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool]) -> dict[str, Lea
             return any(holds_tensor(v) for v in value)
         return False
 
-    def visit(value, container, key, fqn: str):
+    def visit(value, container, key, fqn: str, path: tuple[str | int, ...]):
         items: Iterable[tuple[Any, Any]]
         if isinstance(value, dict) and (value or container is None):
             items = value.items()
@@ -64,15 +70,17 @@ def flatten(state_dict: dict, is_tensor: Callable[[Any], bool]) -> dict[str, Lea
         else:
             if fqn in out:
                 raise CheckpointError(f"two entries of the state dict share the fqn {fqn!r}")
-            out[fqn] = Leaf(value, container, key)
+            out[fqn] = Leaf(value, container, key, path)
             return
+        in_dict = isinstance(value, dict)
         for k, v in items:
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise CheckpointError(
                     f"state dict key {k!r} under {fqn or '<root>'!r} must be str or int")
-            visit(v, value, k, f"{fqn}.{k}" if fqn else str(k))
+            visit(v, value, k, f"{fqn}.{k}" if fqn else str(k),
+                  (*path, str(k) if in_dict else k))
 
-    visit(state_dict, None, None, "")
+    visit(state_dict, None, None, "", ())
     return out
 
 
