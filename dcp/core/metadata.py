@@ -323,6 +323,9 @@ def encode(md: Metadata) -> bytes:
     The columns of tensors given as chunk lists are gathered in Python lists
     and converted once (no per-tensor arrays: thousands of small tensors
     encode in milliseconds); decoded tensors contribute their arrays.
+    ``paths`` (:attr:`Metadata.paths`), where recorded, maps each fqn whose
+    path is not the fqn alone to the path as a list; builds that do not
+    know the entry ignore it (no version change).
     """
     index: dict[str, int] = {}  # file -> index in first-seen order, sorted at the end
     tensors, start = {}, 0
@@ -398,7 +401,8 @@ def encode(md: Metadata) -> bytes:
         "objects": objects,
     }
     if md.paths is not None:  # builds that do not know the field ignore it
-        doc["paths"] = {fqn: list(p) for fqn, p in md.paths.items() if p != (fqn,)}
+        doc["paths"] = {fqn: list(p) for fqn, p in md.paths.items()
+                        if p != (fqn,) and (fqn in md.tensors or fqn in md.objects)}
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
 

@@ -103,3 +103,38 @@ def shaped_like(target: Any, value: Any) -> Any:
     if isinstance(target, dict) and isinstance(value, dict):
         return {k: shaped_like(target.get(k), v) for k, v in value.items()}
     return value
+
+
+def selecting_keys(fqn: str, path: tuple[str | int, ...] | None) -> list[str]:
+    """The keys that select ``fqn`` as a whole-component prefix: the dotted
+    joins of its path's leading parts, the fqn last (``("model", "a", 0)``:
+    ``model``, ``model.a``, ``model.a.0``; never ``model.a.`` or ``mod``).
+    Where the path is unknown (``None``) the fqn's dotted parts stand in
+    for it."""
+    parts = fqn.split(".") if path is None else [str(p) for p in path]
+    return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+
+
+def nest(root: dict, path: tuple[str | int, ...], value: Any, fqn: str) -> None:
+    """Set ``value`` in ``root`` at ``path``, making the dicts (below a
+    ``str`` part) and lists (below an ``int`` part, grown with ``None``)
+    on the way; :func:`flatten`'s inverse, leaf by leaf.  Raises
+    :class:`CheckpointError` naming ``fqn`` where the path runs through a
+    value that is not such a container (paths of one checkpoint that
+    disagree)."""
+    node: Any = root
+    for at, (part, below) in enumerate(zip(path, (*path[1:], None), strict=True)):
+        if isinstance(node, list) and type(part) is int:
+            node.extend([None] * (part + 1 - len(node)))
+        elif not (isinstance(node, dict) and isinstance(part, str)):
+            raise CheckpointError(
+                f"{fqn!r}: its path {list(path)} runs through "
+                f"{'<root>' if not at else repr('.'.join(map(str, path[:at])))}, "
+                f"a {type(node).__name__} that cannot hold key {part!r}")
+        if below is None:
+            node[part] = value
+            return
+        child = node[part] if isinstance(node, list) else node.get(part)
+        if child is None:
+            child = node[part] = {} if isinstance(below, str) else []
+        node = child
