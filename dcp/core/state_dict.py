@@ -134,7 +134,7 @@ def nest(root: dict, path: tuple[str | int, ...], value: Any, fqn: str) -> None:
         if below is None:
             node[part] = value
             return
-        child = node[part] if isinstance(node, list) else node.get(part)
+        child = node.get(part) if isinstance(node, dict) else node[part]
         if child is None:
             child = node[part] = {} if isinstance(below, str) else []
         node = child
