@@ -78,7 +78,8 @@ from dcp.core.storage import installed_schemes, plugin_name
 from dcp.errors import CheckpointError
 from dcp.orchestration.load import LoadReport
 from dcp.orchestration.load import load as _load
-from dcp.orchestration.load import load_keys as _load_keys
+from dcp.orchestration.load import read_selected as _read_selected
+from dcp.orchestration.load import select_fqns as _select_fqns
 from dcp.orchestration.save import save as _save
 
 #: torch's name for the exception its saves and loads raise.
@@ -464,33 +465,17 @@ def _load_state_dict_from_keys(keys: set[str] | str | None = None, *,
                                storage_reader: Any = None,
                                process_group: Any = None) -> dict[str, Any]:
     """torch's private ``_load_state_dict_from_keys`` (model-only or
-    optimizer-only reads) over :func:`dcp.load_keys`: every value the keys
-    select, on CPU at its saved dtype.
-
-    The result nests each selected fqn under the dotted parts of the key
-    that selected it, the rest of the fqn one key below
-    (``"optim.state"`` gives ``{"optim": {"state": {"0.exp_avg": t}}}``):
-    hyperdcp's metadata keeps fqns, not where the saved containers' keys
-    held dots.  Without keys the dict is flat, by fqn."""
+    optimizer-only reads) over :func:`dcp.load_keys`'s reading: every value
+    the keys select, on CPU at its saved dtype, nested along each fqn's
+    path as torch nests it; keys that select nothing are no error (torch's:
+    the dict is empty).  A checkpoint that records no paths gives a flat
+    dict by fqn (see :func:`dcp.load_keys`)."""
     with _torch_terms():
         where = _location(checkpoint_id, storage_reader, "storage_reader")
         _storage_for(where)
-        wanted = None if keys is None else [keys] if isinstance(keys, str) else sorted(keys)
-        flat = _load_keys(where, wanted, process_group=process_group)
-    if wanted is None:
-        return flat
-    out: dict[str, Any] = {}
-    for fqn, value in flat.items():
-        key = max((k for k in wanted if fqn == k or fqn.startswith(f"{k}.")), key=len)
-        *parents, last = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        if fqn == key:
-            node[last] = value
-        else:
-            node.setdefault(last, {})[fqn[len(key) + 1:]] = value
-    return out
+        wanted = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
+        return _read_selected(where, lambda md: _select_fqns(md, wanted),
+                              process_group=process_group)
 
 
 def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,

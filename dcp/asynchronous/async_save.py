@@ -309,6 +309,7 @@ class _Saver:
             planner=options.planner, coordination=options.coordination,
             overwrite=options.overwrite, before_commit=options.before_commit,
             json_values=state.json_values if state else {}, pickled=state.pickled if state else {},
+            paths=state.paths if state else {},
             rank=self.rank, world_size=self.world_size, timeout=options.timeout,
             rendezvous=rendezvous, layout=layout, plan_entries=[], error=error)
         stall = time.perf_counter() - start

@@ -75,10 +75,11 @@ class Layout:
         return [self.buffer[c.byte_offset:c.byte_offset + c.nbytes]
                 .view(tensors.torch_dtype(c.dtype)).view(c.sizes) for c in self.chunks]
 
-    def state(self, json_values: dict[str, str], pickled: dict[str, bytes]) -> SaveState:
+    def state(self, json_values: dict[str, str], pickled: dict[str, bytes],
+              paths: dict[str, list[str | int]]) -> SaveState:
         """The :class:`SaveState` of a save whose tensors are these staged
         chunks."""
-        state = SaveState(json_values=json_values, pickled=pickled)
+        state = SaveState(json_values=json_values, pickled=pickled, paths=paths)
         for c, view in zip(self.chunks, self.views(), strict=True):
             key = (c.fqn, c.offsets)
             state.chunks[key] = tensors.LocalChunk(c.global_shape, c.dtype, c.offsets, c.sizes,

@@ -140,6 +140,7 @@ class SaveJob:
     before_commit: BeforeCommit | None
     json_values: dict[str, str]
     pickled: dict[str, bytes]
+    paths: dict[str, list[str | int]]
     rank: int
     world_size: int
     timeout: float
@@ -480,7 +481,8 @@ class _Worker:
             storage = job.storage or open_storage(job.checkpoint_id, **job.storage_options)
             planner = (job.planner if job.planner is not None
                        else cast(SavePlanner, default_planner("save")))
-            state = self.layout.state(job.json_values, job.pickled) if self.layout else SaveState()
+            state = (self.layout.state(job.json_values, job.pickled, job.paths) if self.layout
+                     else SaveState())
 
             def describe() -> SaveState:
                 if job.error is not None:

@@ -62,7 +62,8 @@ class IndependentSave(_Save):
             json_values={fqn: text for fqn, text in state.json_values.items()
                          if zlib.crc32(fqn.encode()) % world == rank},
             pickled={fqn: blob for fqn, blob in state.pickled.items()
-                     if zlib.crc32(fqn.encode()) % world == rank})
+                     if zlib.crc32(fqn.encode()) % world == rank},
+            paths=state.paths)
 
     def global_plan(self, plans):
         """No coordinator: the planner's local plan is final (its global
@@ -193,6 +194,8 @@ def _merge(parts: list[Metadata], checkpoint_id: str) -> Metadata:
             seen.chunks.extend(c for c in t.chunks if c.offsets not in have)
         for fqn, obj in md.objects.items():
             merged.objects.setdefault(fqn, obj)
+        if md.paths is not None:
+            merged.paths = {**md.paths, **(merged.paths or {})}
     for fqn, t in merged.tensors.items():
         t.chunks.sort(key=lambda c: c.offsets)
         covered = sum(volume(c.sizes) for c in t.chunks)

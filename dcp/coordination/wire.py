@@ -445,13 +445,18 @@ def _result_columns(doc: dict, section: Section, strings: list[str]) -> ResultCo
         _keyed_columns(doc["replicas"], section, strings, "replicas"))
 
 
-def _values_from_wire(doc: dict, section: Section) -> tuple[dict[str, str], dict[str, bytes]]:
-    """A result's JSON values and blobs."""
-    json_values, pickled = doc["json"], doc["pickled"]
+def _values_from_wire(doc: dict, section: Section) -> tuple[dict[str, str], dict[str, bytes],
+                                                             dict[str, list[str | int]]]:
+    """A result's JSON values, blobs and paths."""
+    json_values, pickled, paths = doc["json"], doc["pickled"], doc["paths"]
     if (type(json_values) is not dict or type(pickled) is not dict
             or not set(map(type, json_values.values())) <= {str}):
         raise ValueError("WriteResult values: a map of strings expected")
-    return json_values, {k: section.bytes(v, f"blob {k!r}") for k, v in pickled.items()}
+    if type(paths) is not dict or not all(
+            type(p) is list and set(map(type, p)) <= {str, int} for p in paths.values()):
+        raise ValueError("WriteResult paths: a map of lists of keys expected")
+    return (json_values, {k: section.bytes(v, f"blob {k!r}") for k, v in pickled.items()},
+            paths)
 
 
 #: The class of decoded write results (:func:`write_result_codec`).
@@ -459,9 +464,9 @@ _DECODED: list[type] = []
 
 
 def _decoded_result(columns: ResultColumns, json_values: dict[str, str],
-                    pickled: dict[str, bytes]) -> Any:
+                    pickled: dict[str, bytes], paths: dict[str, list[str | int]]) -> Any:
     result = _DECODED[0](chunks=None, fingerprints=None, replicas=None,
-                         json_values=json_values, pickled=pickled)
+                         json_values=json_values, pickled=pickled, paths=paths)
     result.columns = columns
     return result
 
@@ -470,7 +475,7 @@ def write_result_codec(cls: type) -> tuple[Callable[[Any], Any], Callable[..., A
     """The columnar ``to_wire`` / ``from_wire`` of the save's write results
     (``cls`` is :class:`dcp.orchestration.save.WriteResult`: ``chunks`` of
     ``(fqn, ChunkMeta)``, ``fingerprints`` and ``replicas`` keyed by
-    ``(fqn, offsets)``, ``json_values``, ``pickled``).  Fqns and file names
+    ``(fqn, offsets)``, ``json_values``, ``pickled``, ``paths``).  Fqns and file names
     go into one string table; a chunk is eight integers and its box.
 
     A decoded result keeps its columns (:class:`ResultColumns`, its
@@ -515,7 +520,7 @@ def write_result_codec(cls: type) -> tuple[Callable[[Any], Any], Callable[..., A
 
     def to_wire(result: Any) -> dict:
         doc = _result_doc(result_columns(result))
-        doc.update(json=result.json_values, pickled=result.pickled)
+        doc.update(json=result.json_values, pickled=result.pickled, paths=result.paths)
         return doc
 
     def from_wire(doc: Any, section: Section) -> Any:
@@ -536,8 +541,8 @@ class CachedWriteResult:
     ``file`` (index into ``files``), byte offset ``at`` and checksum
     ``crc`` (-1: none); the fingerprints ``prints`` by row of the final
     plan and ``replicas`` by row of the rank's local plan, as ``(rows,
-    values)``; the non-tensor values.  All integer columns are int64
-    arrays.  Made by :func:`relative_result`, made whole again by
+    values)``; the non-tensor values and the fqns' paths.  All integer
+    columns are int64 arrays.  Made by :func:`relative_result`, made whole again by
     :func:`absolute_result`."""
 
     files: list[str]
@@ -549,6 +554,7 @@ class CachedWriteResult:
     replicas: tuple[np.ndarray, np.ndarray]
     json_values: dict[str, str]
     pickled: dict[str, bytes]
+    paths: dict[str, list[str | int]]
 
 
 def _rows_of(plan: SavePlan) -> tuple[dict[tuple[str, tuple[int, ...]], int],
@@ -588,7 +594,7 @@ def relative_result(result: Any, plan: SavePlan, local: SavePlan,
     return CachedWriteResult(files.table, _int64(items), file, _int64(at), _int64(crc),
                              (_int64(prints), _int64(list(result.fingerprints.values()))),
                              (_int64(replicas), _int64(list(result.replicas.values()))),
-                             result.json_values, result.pickled)
+                             result.json_values, result.pickled, result.paths)
 
 
 def _rows(c: PlanColumns, rows: np.ndarray, flat: np.ndarray) -> np.ndarray:
@@ -628,13 +634,13 @@ def absolute_result(cached: CachedWriteResult, plan: SavePlan, local: SavePlan,
         cached.crc, np.full(len(item), rank, dtype=np.int64),
         (print_fqn, c.ndim[prow], _rows(c, prow, c.offsets), pval),
         (replica_fqn, held.ndim[rrow], _rows(held, rrow, held.offsets), rval))
-    return _decoded_result(columns, cached.json_values, cached.pickled)
+    return _decoded_result(columns, cached.json_values, cached.pickled, cached.paths)
 
 
 def _cached_to_wire(r: CachedWriteResult) -> dict:
     return {"files": r.files, "item": r.item, "file": r.file, "at": r.at, "crc": r.crc,
             "prints": list(r.prints), "replicas": list(r.replicas), "json": r.json_values,
-            "pickled": r.pickled}
+            "pickled": r.pickled, "paths": r.paths}
 
 
 def _cached_from_wire(doc: Any, section: Section) -> CachedWriteResult:

@@ -257,6 +257,12 @@ class Metadata:
     """Everything a load needs to find the bytes of every fqn.
 
     Returned by :func:`dcp.save` and :func:`dcp.read_metadata`.
+
+    ``paths`` maps an fqn to its path in the state dict that was saved
+    (dict keys as ``str``, list indices as ``int``: see
+    :mod:`dcp.core.state_dict`) where that is not the fqn alone; ``None``
+    where the checkpoint records no paths (saved by an older build, or
+    made by a conversion that could not tell them).  :meth:`path` reads it.
     """
 
     save_id: str
@@ -264,6 +270,14 @@ class Metadata:
     tensors: dict[str, TensorMeta] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
     version: int = 1
+    paths: dict[str, tuple[str | int, ...]] | None = None
+
+    def path(self, fqn: str) -> tuple[str | int, ...] | None:
+        """``fqn``'s path in the saved state dict (``("optim", "state",
+        "0", "exp_avg")``), or ``None`` if the checkpoint records none."""
+        if self.paths is None:
+            return None
+        return self.paths.get(fqn, (fqn,))
 
     def files(self) -> set[str]:
         """Names (relative to the checkpoint root) of every data file used."""
@@ -309,6 +323,9 @@ def encode(md: Metadata) -> bytes:
     The columns of tensors given as chunk lists are gathered in Python lists
     and converted once (no per-tensor arrays: thousands of small tensors
     encode in milliseconds); decoded tensors contribute their arrays.
+    ``paths`` (:attr:`Metadata.paths`), where recorded, maps each fqn whose
+    path is not the fqn alone to the path as a list; builds that do not
+    know the entry ignore it (no version change).
     """
     index: dict[str, int] = {}  # file -> index in first-seen order, sorted at the end
     tensors, start = {}, 0
@@ -383,6 +400,9 @@ def encode(md: Metadata) -> bytes:
         "chunk_table": chunk_table,
         "objects": objects,
     }
+    if md.paths is not None:  # builds that do not know the field ignore it
+        doc["paths"] = {fqn: list(p) for fqn, p in md.paths.items()
+                        if p != (fqn,) and (fqn in md.tensors or fqn in md.objects)}
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
 
@@ -565,4 +585,22 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
             md.objects[fqn] = ObjectMeta(value=o["value"])
         else:
             _fail(ctx, "object entry has none of 'value', 'raw' (version 2) and 'pickled'")
+    if "paths" in doc:
+        md.paths = _paths(doc["paths"], md, where)
     return md
+
+
+def _paths(value, md: Metadata, where: str) -> dict[str, tuple[str | int, ...]]:
+    """The ``paths`` entry: each an fqn of ``md`` mapped to a list of
+    strings and integers whose dotted join is that fqn."""
+    out: dict[str, tuple[str | int, ...]] = {}
+    for fqn, path in _dict(value, where, "paths").items():
+        ctx = f"{where}: path of {fqn!r:.200}"
+        if fqn not in md.tensors and fqn not in md.objects:
+            _fail(ctx, "no tensor or object has this fqn")
+        if (not isinstance(path, list) or not path
+                or not all(isinstance(p, str) or type(p) is int and p >= 0 for p in path)
+                or ".".join(map(str, path)) != fqn):
+            _fail(ctx, "must be a list of strings and integers whose dotted join is the fqn")
+        out[fqn] = tuple(path)
+    return out

@@ -369,7 +369,8 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
     non-tensor values ``objects`` (fqn -> value: JSON, or pickled with
     ``allow_pickle``, written by rank 0); collective over ``process_group``
     when one is initialized (each rank writes the files ``k % world_size
-    == rank``, rank 0 commits).  Returns the committed
+    == rank``, rank 0 commits); ``md``'s paths
+    (:attr:`~dcp.Metadata.paths`) are kept.  Returns the committed
     :class:`~dcp.Metadata` on every rank.
 
     Raises:
@@ -438,7 +439,7 @@ def import_checkpoint(source: StoragePlugin, md: Metadata, dest: StoragePlugin, 
 
     def finish(results: list) -> Metadata:
         chunks = dict(entry for result in results for entry in result)
-        out = Metadata(save_id=save_id, world_size=ranks.world_size)
+        out = Metadata(save_id=save_id, world_size=ranks.world_size, paths=md.paths)
         for fqn, meta in md.tensors.items():
             out.tensors[fqn] = TensorMeta(meta.shape, meta.dtype,
                                           [chunks[fqn]] if fqn in chunks else [])

@@ -271,25 +271,29 @@ class _TensorAt:
         self.key = key
 
 
-def _regroup(keys: list[str], values: dict[str, Any], mapping) -> tuple[dict[str, str],
-                                                                        dict[str, Any]]:
+def _regroup(keys: list[str], values: dict[str, Any], mapping) -> tuple[
+        dict[str, str], dict[str, Any], dict[str, tuple[str | int, ...]] | None]:
     """Our fqns for torch's flattened keys: torch's ``planner_data`` maps
     each key to its path in the state dict that was saved, so the nested
     state is rebuilt and flattened as :func:`dcp.load` flattens a target
     (``optim.param_groups.0.lr``... become the one value
     ``optim.param_groups``, as ``optimizer.state_dict()`` holds it).
-    Returns (fqn -> tensor key, fqn -> value); keys without a path keep
-    their names."""
+    Returns (fqn -> tensor key, fqn -> value, fqn -> its path in that
+    state, for :attr:`dcp.Metadata.paths`); without torch's paths the keys
+    keep their names and the paths are ``None`` (unknown)."""
     flat = {k: values[k] if k in values else _TensorAt(k) for k in keys}
+    paths: dict[str, tuple[str | int, ...]] | None = None
     if not isinstance(mapping, dict) or not all(
             isinstance(mapping.get(k), tuple) and mapping[k] for k in keys):
         leaves = flat
     else:
         nested = unflatten_state_dict(flat, mapping)
-        leaves = {fqn: leaf.value
-                  for fqn, leaf in flatten(nested, lambda v: isinstance(v, _TensorAt)).items()}
+        found = flatten(nested, lambda v: isinstance(v, _TensorAt))
+        leaves = {fqn: leaf.value for fqn, leaf in found.items()}
+        paths = {fqn: leaf.path for fqn, leaf in found.items()}
     tensor_keys = {f: v.key for f, v in leaves.items() if isinstance(v, _TensorAt)}
-    return tensor_keys, {f: v for f, v in leaves.items() if not isinstance(v, _TensorAt)}
+    return (tensor_keys, {f: v for f, v in leaves.items() if not isinstance(v, _TensorAt)},
+            paths)
 
 
 def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = False,
@@ -372,9 +376,13 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
     values = dict.fromkeys(k for k in entries if k not in tensor_entries)
     if values:
         load_from_torch(values)
-    tensor_keys, objects = _regroup(list(entries), values, source.planner_data)
+    tensor_keys, objects, paths = _regroup(list(entries), values, source.planner_data)
     names = renamed([*tensor_keys, *objects], rename, repr(str(path)))
+    # a renamed fqn's place in the state is unknown: it is recorded as the fqn alone
+    new_paths = None if paths is None else {
+        names[f]: p for f, p in paths.items() if names[f] == f}
     view = TorchDcpFolder(local, source, {names[f]: k for f, k in tensor_keys.items()})
+    view.metadata.paths = new_paths
     if view.unreadable is None:
         dest = open_storage(str(checkpoint_id), **(storage_options or {}))
         with progress_bar(view.metadata.stored_bytes, "import", progress) as bar:
@@ -403,6 +411,7 @@ def torch_dcp_to_checkpoint(path: str, checkpoint_id: str, *, trusted: bool = Fa
                 bar.update(nbytes(key))
         for fqn, value in objects.items():
             writer.add_object(names[fqn], value)
+        writer.metadata.paths = new_paths
         return writer.commit()
 
 

@@ -53,7 +53,7 @@ from dcp.core import devices, read_plan, tensors, unpickler
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
-from dcp.core.state_dict import Leaf, flatten, shaped_like
+from dcp.core.state_dict import Leaf, flatten, nest, selecting_keys, shaped_like
 from dcp.core.storage import (
     StoragePlugin,
     can_read_cached,
@@ -964,17 +964,29 @@ def load_keys(checkpoint_id: str, keys: str | Iterable[str] | None = None,
     """Load entries of a checkpoint without a state dict to fill: a model
     without its optimizer, one optimizer's state, a value or two.
 
-    Returns a flat dict ``{fqn: value}`` in the checkpoint's order: each
-    tensor whole, a new contiguous CPU tensor of its saved shape and dtype;
-    each other value as :func:`load` gives it (``bytes`` and
-    ``io.BytesIO`` as saved, JSON tuples as lists).  ``keys`` (one fqn or
-    several) selects the fqns equal to a key or below it (``"optim.state"``
-    selects ``optim.state.0.exp_avg``); ``prefix`` the fqns starting with
-    it; both: the fqns both select; neither: every fqn.  In a process group
-    the call is collective and every rank gets every value (a region is
-    read from storage once per host or group and passed on, as for
-    :func:`load`).  PyTorch DCP's private ``_load_state_dict_from_keys``
-    does this for its own checkpoints (``dcp.compat`` routes it here).
+    Returns the selected entries nested as the saved state dict held them,
+    as PyTorch DCP's private ``_load_state_dict_from_keys`` returns them:
+    each value placed along its fqn's path (:attr:`dcp.Metadata.paths`;
+    dict keys as ``str``, list indices as ``int``), so a save of
+    ``{"model": model.state_dict(), "blocks": [{"w": w}]}`` gives
+    ``{"model": {"layer.weight": t}, "blocks": [{"w": t}]}``; a list holds
+    ``None`` at the indices not selected.  Each tensor is whole, a new
+    contiguous CPU tensor of its saved shape and dtype; each other value as
+    :func:`load` gives it (``bytes`` and ``io.BytesIO`` as saved, JSON
+    tuples as lists).  ``keys`` (one or several) selects the fqns whose
+    path starts with a key's parts: a key is the dotted join of leading
+    parts of the path, the whole fqn included (``"optim.state"`` selects
+    ``optim.state.0.exp_avg``; ``"model.a"`` selects ``model.a.w``, not
+    ``model.ab``); ``prefix`` selects the same way for one key; both: the
+    fqns both select; neither: every fqn; ``keys=[]``: none (``{}``).
+
+    A checkpoint that records no paths (saved by a hyperdcp build that did
+    not record them, or converted from a source without them) gives a flat
+    ``{fqn: value}``, keys and prefix matched against the fqns' dotted
+    parts.  In a process group the call is collective and every rank gets
+    every value (a region is read from storage once per host or group and
+    passed on, as for :func:`load`).  ``dcp.compat`` routes torch's helper
+    here.
 
     Raises:
         NotACheckpointError: nothing committed at ``checkpoint_id``.
@@ -983,27 +995,59 @@ def load_keys(checkpoint_id: str, keys: str | Iterable[str] | None = None,
             :func:`load` raises (a corrupted chunk, naming it).
     """
     wanted = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
-    out: dict[str, Any] = {}
 
-    def selects(fqn: str, key: str) -> bool:
-        return fqn == key or fqn.startswith(f"{key}.")
-
-    def fill(metadata: Metadata) -> None:
-        fqns = [f for f in metadata.fqns() if prefix is None or f.startswith(prefix)]
+    def choose(metadata: Metadata) -> list[str]:
+        fqns = select_fqns(metadata, None, prefix)
         if wanted is not None:
-            unmatched = [k for k in wanted if not any(selects(f, k) for f in fqns)]
+            held = {k for f in fqns for k in selecting_keys(f, metadata.path(f))}
+            unmatched = [k for k in wanted if k not in held]
             if unmatched:
                 raise CheckpointError(
                     f"load_keys: {len(unmatched)} key(s) select nothing in {checkpoint_id!r}"
                     f"{f' under the prefix {prefix!r}' if prefix else ''}: "
                     f"{', '.join(map(repr, unmatched))}")
-            fqns = [f for f in fqns if any(selects(f, k) for k in wanted)]
-        for fqn in fqns:
-            saved = metadata.tensors.get(fqn)
-            out[fqn] = None if saved is None else tensors.empty_host(saved.shape, saved.dtype)
+        return select_fqns(metadata, wanted, prefix)
 
-    _run(out, checkpoint_id, fill, strict=True, allow_dtype_cast=False,
+    return read_selected(checkpoint_id, choose, allow_pickle=allow_pickle,
+                         process_group=process_group, storage_options=storage_options,
+                         verify=verify)
+
+
+def select_fqns(metadata: Metadata, keys: Iterable[str] | None,
+                prefix: str | None = None) -> list[str]:
+    """The fqns of ``metadata``, in its order, that :func:`load_keys`'s
+    ``keys`` and ``prefix`` select (``None``: no condition); a key that
+    selects nothing is no error here."""
+    wanted = None if keys is None else set(keys)
+    out = []
+    for fqn in metadata.fqns():
+        selecting = selecting_keys(fqn, metadata.path(fqn))
+        if (prefix is None or prefix in selecting) and (
+                wanted is None or not wanted.isdisjoint(selecting)):
+            out.append(fqn)
+    return out
+
+
+def read_selected(checkpoint_id: str, choose: Callable[[Metadata], list[str]], *,
+                  allow_pickle: bool = False, process_group=None,
+                  storage_options: dict | None = None, verify: str = "chunks") -> dict[str, Any]:
+    """:func:`load_keys` for the fqns ``choose(metadata)`` returns: their
+    values nested by their paths (flat by fqn where the checkpoint records
+    none)."""
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple[str | int, ...] | None] = {}
+
+    def fill(metadata: Metadata) -> None:
+        for fqn in choose(metadata):
+            saved = metadata.tensors.get(fqn)
+            flat[fqn] = None if saved is None else tensors.empty_host(saved.shape, saved.dtype)
+            paths[fqn] = metadata.path(fqn)
+
+    _run(flat, checkpoint_id, fill, strict=True, allow_dtype_cast=False,
          allow_pickle=allow_pickle, planner=None, storage=None, process_group=process_group,
          storage_options=storage_options, max_inflight_bytes=256 << 20, verify=verify,
          host=None, device=None)
+    out: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        nest(out, paths[fqn] or (fqn,), value, fqn)
     return out

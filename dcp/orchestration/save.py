@@ -126,13 +126,15 @@ class WriteResult:
     written chunks larger than :data:`REPLICA_SAMPLE_BYTES` and of the
     replicas it holds but did not write whole (``replicas``: of the whole
     held chunk, also when the rank wrote a piece of it), and its non-tensor
-    values (JSON text or pickle)."""
+    values (JSON text or pickle), and the paths of its fqns where they are
+    not the fqn alone (:attr:`SaveState.paths`)."""
 
     chunks: list[tuple[str, ChunkMeta]] = field(default_factory=list)
     fingerprints: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
     replicas: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
     json_values: dict[str, str] = field(default_factory=dict)
     pickled: dict[str, bytes] = field(default_factory=dict)
+    paths: dict[str, list[str | int]] = field(default_factory=dict)
 
 
 wire.register(WriteResult, *wire.write_result_codec(WriteResult), columnar=True)
@@ -153,6 +155,23 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     if md is not None:
         return md
     return _metadata_from_objects(save_id, world_size, decls, results)
+
+
+def merge_paths(md: Metadata, results: list[WriteResult]) -> dict[str, tuple[str | int, ...]]:
+    """:attr:`Metadata.paths` from every rank's write results: the first
+    rank's path of each fqn of ``md``.  Raises :class:`CheckpointError`
+    naming the fqn and both ranks where two ranks give it different paths
+    (``{"a.b": t}`` on one, ``{"a": {"b": t}}`` on another)."""
+    first: dict[str, tuple[int, list[str | int]]] = {}
+    for rank, result in enumerate(results):
+        for fqn, path in result.paths.items():
+            seen = first.setdefault(fqn, (rank, path))
+            if seen[1] != path:
+                raise CheckpointError(
+                    f"{fqn!r}: ranks {seen[0]} and {rank} hold it at different paths "
+                    f"({seen[1]} vs {path}); give each rank the same state dict structure")
+    return {fqn: tuple(path) for fqn, (_, path) in first.items()
+            if fqn in md.tensors or fqn in md.objects}
 
 
 def _pad(ndim: np.ndarray, flat: np.ndarray, fill: int) -> np.ndarray:
@@ -461,12 +480,15 @@ class SaveState:
     for :func:`dcp.async_save`), each chunk's replica slot (see
     :func:`dcp.core.tensors.replica_slot`), and its non-tensor values encoded as
     JSON text, or as blobs in ``pickled``: raw ``bytes`` / ``io.BytesIO``
-    values (:func:`raw_blob`) and, if the caller allowed it, pickles."""
+    values (:func:`raw_blob`) and, if the caller allowed it, pickles;
+    ``paths``: each fqn's path in the state dict (:class:`dcp.core.state_dict.Leaf`)
+    where it is not ``[fqn]``, for :attr:`dcp.Metadata.paths`."""
 
     chunks: dict[tuple[str, tuple[int, ...]], tensors.LocalChunk] = field(default_factory=dict)
     slots: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
     json_values: dict[str, str] = field(default_factory=dict)
     pickled: dict[str, bytes] = field(default_factory=dict)
+    paths: dict[str, list[str | int]] = field(default_factory=dict)
 
 
 def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
@@ -484,6 +506,8 @@ def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
         substitute=mindspore_tensors.for_save if mindspore_tensors.imported() else None
     ).state_dict
     for fqn, leaf in flatten(resolved, tensors.is_tensor).items():
+        if leaf.path != (fqn,):
+            state.paths[fqn] = list(leaf.path)
         if tensors.is_tensor(leaf.value):
             for chunk in tensors.describe_chunks(fqn, leaf.value):
                 state.chunks[(fqn, chunk.offsets)] = chunk
@@ -577,7 +601,8 @@ class _Save:
     # -- phase 2: writing
     def write(self, save_id: str, plan: SavePlan) -> WriteResult:
         self.save_id = save_id
-        result = WriteResult(json_values=self.state.json_values, pickled=self.state.pickled)
+        result = WriteResult(json_values=self.state.json_values, pickled=self.state.pickled,
+                             paths=self.state.paths)
         chunks = self.state.chunks
         mine = {(i.fqn, i.offsets) for i in plan.items
                 if chunks.get((i.fqn, i.offsets)) is not None
@@ -698,6 +723,7 @@ class _Save:
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
         md = build_metadata(save_id, self.coord.world_size, self.decls, results)
         self._merge_objects(md, results, save_id)
+        md.paths = merge_paths(md, results)
         if self.before_commit is not None:
             self.before_commit(md)
         commit_metadata(self.storage, self.metadata_file, md, self.overwrite)
