@@ -511,14 +511,15 @@ def _wait_for(path: Path, timeout: float = 300.0) -> str:
 
 @dist_scenario(world_size=2)
 def test_manager_sigkill_during_async_save_then_restart_w2(ctx):
-    """On a path, shm:// and S3: a separate 2-rank job (tests/manager_job.py,
-    async saves every 2 steps, keep_latest=2; the three jobs run at once) is
+    """On a path and S3: a separate 2-rank job (tests/manager_job.py,
+    async saves every 2 steps, keep_latest=2; the jobs run at once) is
     killed with SIGKILL, trainers and background savers, right after step
     6's save started, while it is in flight; this group, new processes,
     resumes it: from step 4, the newest complete step (6 never committed),
     and steps 5 and 6 repeat exactly (losses, every generator's draws, each
-    rank's loader position) before training goes on to step 8."""
-    roots = _roots(ctx, "kill")
+    rank's loader position) before training goes on to step 8.  (A path and
+    S3; shm:// is a path to the save, and the soak kills jobs over it.)"""
+    roots = [r for r in _roots(ctx, "kill") if not r[0].startswith("shm://")]
     labels = [root.split("://")[0] if "://" in root else "posix" for root, _ in roots]
     if ctx.rank == 0:  # the jobs to kill, at once; rank 1 waits without a collective meanwhile
         jobs = [_start(2, root, ctx.dir / f"first-{label}", 8, "--kill-at", "6",
@@ -610,11 +611,6 @@ def _trainers_killed_after_save_then_resumed(ctx) -> None:
 
 @dist_scenario(world_size=2)
 def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w2(ctx):
-    _trainers_killed_after_save_then_resumed(ctx)
-
-
-@dist_scenario(world_size=4)
-def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w4(ctx):
     _trainers_killed_after_save_then_resumed(ctx)
 
 
