@@ -24,6 +24,7 @@ import pytest
 
 import dcp
 from dcp.recovery.host_store import chunk_table
+from dist_harness import dist_scenario
 
 HERE = Path(__file__).resolve().parent
 # bytes of one rank's chunks in the 4-rank layout of recovery_job.py
@@ -207,3 +208,31 @@ def test_failure_matrix(tmp: Path) -> None:
         assert first["failures"] == 1 and first["memory"] == [15], first
         assert second["failures"] == 2 and second["memory"] == [], second
     assert lost == TP_BLOCK, lost
+
+
+@dist_scenario(world_size=2)
+def test_more_replicas_than_other_hosts_is_warned_and_the_step_restores(ctx):
+    """Two ranks on one simulated host with ``replicas=1``, then on two hosts
+    with ``replicas=2``: each manager warns on every rank how many copies a
+    chunk gets (none, then one) and where a lost host's chunks come from; the
+    memory step restores exactly all the same."""
+    import torch
+
+    for hosts, replicas, copies in ((["h0", "h0"], 1, "0 copies"), (["h0", "h1"], 2, "1 copy")):
+        host = hosts[ctx.rank]
+        tier = dcp.MemoryTier(host=host, namespace=str(ctx.dir / f"shm-{replicas}" / host),
+                              run_id="job", replicas=replicas, timeout=60)
+        with pytest.warns(dcp.CheckpointWarning) as caught:
+            mgr = dcp.CheckpointManager(str(ctx.dir / f"root-{replicas}"), interval=100,
+                                        save_rng=False, memory=tier)
+        (message,) = [str(w.message) for w in caught]
+        assert f"MemoryTier(replicas={replicas})" in message and copies in message, message
+        assert f"spans {len(set(hosts))} host" in message, message
+        mine = torch.arange(8, dtype=torch.float32) + 10 * ctx.rank + replicas
+        assert mgr.save(1, {"w": dcp.TensorShard(mine.clone(), (16,), (8 * ctx.rank,))})
+        mgr.wait()
+        target = {"w": dcp.TensorShard(torch.zeros(8), (16,), (8 * ctx.rank,))}
+        assert mgr.load_latest(target) == 1
+        assert mgr.last_restore is not None and mgr.last_restore.bytes_persistent == 0
+        assert torch.equal(target["w"].data, mine), (target, mine)
+        mgr.close()

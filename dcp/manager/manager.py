@@ -239,6 +239,14 @@ class CheckpointManager:
                                       f"initialized (its copies go to other hosts' ranks)")
             self._tier = TierGroup(memory, self.root, process_group)
             self._snapshots = Snapshotter(self._tier)
+            if memory.replicas > len(self._tier.hosts) - 1:
+                n = len(self._tier.hosts)
+                warnings.warn(
+                    f"MemoryTier(replicas={memory.replicas}): the job spans {n} host"
+                    f"{'s' if n != 1 else ''} ({', '.join(self._tier.hosts)}), so a chunk held "
+                    f"on one host gets {max(n - 1, 0)} cop{'y' if n == 2 else 'ies'} on others; "
+                    f"a lost host's chunks come from the persistent tier", CheckpointWarning,
+                    stacklevel=2)
 
         self.preempted = False
         self._sigterm = False
