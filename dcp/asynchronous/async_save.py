@@ -4,7 +4,15 @@
 reused shared-memory staging buffer (:mod:`dcp.asynchronous.staging`) and returns.
 Planning, coordination, writing and commit run in a persistent background
 process per rank (:mod:`dcp.asynchronous.worker`), so the trainer's Python, GIL and
-communicators are untouched while the checkpoint persists.
+communicators are untouched while the checkpoint persists.  Until that
+process has started (seconds: spawn, ``import torch``), a save coordinated
+over gloo or not at all runs the same code on the trainer's save thread
+instead, so that no save waits for the start; its steps then go over the
+job's rendezvous store on every rank
+(:class:`dcp.coordination.store_exchange.StoreCoordinator`), and it takes
+some of the trainer's CPU and GIL (docs/async-save.md).  A ``"file"`` save
+waits for the process: the file protocol's waits cannot watch the abort
+key that bounds a save whose peer died.
 
 Coordination of the background processes (``coordination=``):
 
@@ -56,7 +64,8 @@ worker that re-runs the script's top-level code (which blocks in
 ``init_process_group`` or trains) fails it within ``timeout``.  A script fed
 on standard input has no file to re-run, and its worker starts without it.
 :func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
-starts the worker before the first save, so that no save waits for it.
+starts the worker before the first save, so that fewer saves run in the
+trainer.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ from dcp.asynchronous import worker as worker_module
 from dcp.asynchronous.staging import Layout, Stager
 from dcp.asynchronous.worker import (
     Outcome,
+    Persister,
     Rendezvous,
     SaveJob,
     WorkerDied,
@@ -88,6 +98,7 @@ from dcp.asynchronous.worker import (
     read_abort,
     refuse_main_rerun,
     unguarded_main,
+    unreachable_from_worker,
 )
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.plan_cache import PlanCache
@@ -117,7 +128,9 @@ class AsyncSaveStats:
     plan (on a plan-cache hit only the key check).  ``persist_s``: background
     time from receiving the save to its commit.  ``plan_exchanged``: whether
     local plans were exchanged (False on a plan-cache hit and with
-    ``coordination="none"``).
+    ``coordination="none"``).  ``in_trainer``: whether the save ran on a
+    thread of the calling process, its background process still starting
+    (docs/async-save.md).
     """
 
     stall_s: float
@@ -125,6 +138,7 @@ class AsyncSaveStats:
     planning_s: float
     persist_s: float
     plan_exchanged: bool
+    in_trainer: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +249,8 @@ class _Saver:
         self.worker_layout: Layout | None = None  # the buffer this worker holds
         self.worker_fresh = False  # the worker has had no job yet: send it the plan cache
         self.plans = PlanCache()  # a copy of the worker's, for a new worker
+        #: runs the saves on the persist thread while the worker starts
+        self.here = Persister(in_process=True)
         self.seq = 0
         self.counters = AsyncSaveCounters()
 
@@ -338,7 +354,7 @@ class _Saver:
             bytes_staged=self.stager.bytes_staged, staging_allocations=self.stager.allocations)
         staged_bytes = sum(c.nbytes for c in job.layout.chunks) if job.layout is not None else 0
         response.stats = AsyncSaveStats(stall, staged_bytes, outcome.planning_s,
-                                        outcome.persist_s, outcome.exchanged)
+                                        outcome.persist_s, outcome.exchanged, outcome.in_trainer)
         finish()
         if outcome.error is not None:
             response._outcome.set_exception(outcome.error)
@@ -386,13 +402,35 @@ class _Saver:
         if self.store is not None and job.coordination != "none" and self.world_size > 1:
             publish_abort(self.store, job.seq, cause)
 
+    def _run_here(self, job: SaveJob) -> Outcome:
+        """Run ``job`` on this (persist) thread, as the worker would, with
+        the plan cache's copy: no save waits for the worker's start.  The
+        trainer's garbage collector, thread count and priority are left as
+        they are; the save takes some of the trainer's CPU and GIL instead
+        (docs/async-save.md)."""
+        culprit = unreachable_from_worker((job.storage, job.planner, job.before_commit))
+        if culprit is not None:  # refused as the worker would refuse it
+            return Outcome(job.seq, alone=True, error=CheckpointError(
+                f"rank {self.rank}: the async save to {job.checkpoint_id!r} passed {culprit}, "
+                f"which its background process cannot import: a class or function of a "
+                f"script fed on standard input or typed at a prompt is not; define it in a "
+                f"module"))
+        self.here.cache = PlanCache()
+        job = replace(job, plan_entries=list(self.plans.entries.values()))
+        outcome, cleanup = self.here.run(job, lambda: None)
+        cleanup()
+        return replace(outcome, in_trainer=True)
+
     def _submit_and_wait(self, job: SaveJob) -> Outcome:
         """Hand ``job`` to a live worker (a new one if the last died while
         idle, with the plan cache's copy; the staging buffer only if the
         worker lacks it) and wait for its outcome, watching the save's
-        abort key."""
+        abort key.  While the worker is still starting, a save coordinated
+        over gloo (or not at all) runs here instead (:meth:`_run_here`)."""
         for attempt in (0, 1):
             worker = self.ensure_worker()
+            if job.coordination != "file" and not worker.ready():
+                return self._run_here(job)
             sent = job
             if self.worker_fresh:
                 sent = replace(sent, plan_entries=list(self.plans.entries.values()))
@@ -514,9 +552,9 @@ def async_save_counters(process_group=None) -> AsyncSaveCounters:
 def prestart_async_worker(process_group=None) -> None:
     """Start this rank's background save process for ``process_group``'s
     async saves now, and return at once: it starts (spawn, ``import
-    torch``: seconds) while the caller resumes and trains, so that no
-    :func:`async_save` waits for it.  Without it, the first save starts the
-    process and a second save soon after blocks until the first is done.
+    torch``: seconds) while the caller resumes and trains; saves before it
+    is up run in the trainer (module doc).  Without it, the first save
+    starts the process.
     :class:`dcp.CheckpointManager` calls it when made with
     ``async_save=True``.  Call it on every rank of the group (it makes the
     group's saver, in the order the ranks' first async saves would); a

@@ -80,6 +80,7 @@ from dcp.coordination.collectives import Coordinator, CoordinatorBase, LocalCoor
 from dcp.coordination.file_flag import FileCoordinator
 from dcp.coordination.independent import IndependentSave
 from dcp.coordination.plan_cache import CacheEntry, PlanCache
+from dcp.coordination.store_exchange import StoreCoordinator
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
@@ -154,7 +155,7 @@ class Outcome:
     """The worker's answer to job ``seq``: the committed ``metadata`` or the
     ``error``; seconds spent deciding the plan (``planning_s``) and on the
     whole job (``persist_s``); whether plans were exchanged, and then the
-    new ``plan_entry``."""
+    new ``plan_entry``; whether the trainer ran it (``in_trainer``)."""
 
     seq: int
     metadata: Metadata | None = None
@@ -164,6 +165,7 @@ class Outcome:
     exchanged: bool = False
     plan_entry: CacheEntry | None = None
     alone: bool = False  # failed before taking part in the save's coordination
+    in_trainer: bool = False  # run by the trainer, its worker still starting
 
 
 class WorkerDied(CheckpointError):
@@ -218,6 +220,21 @@ def refuse_main_rerun() -> None:
         os._exit(EXIT_MAIN_RERUN)
 
 
+def unreachable_from_worker(objects: tuple) -> str | None:
+    """The first of ``objects`` that a worker could not unpickle because it
+    is defined in a main module the worker does not import (a script fed on
+    standard input, ``-c``, a prompt), named; else ``None``."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or (isinstance(path, str)
+                                                       and os.path.isfile(path)):
+        return None
+    for obj in objects:
+        if obj is not None and getattr(obj, "__module__", None) == "__main__":
+            return f"{getattr(obj, '__qualname__', type(obj).__qualname__)!r} of __main__"
+    return None
+
+
 def _rerun_advice(path: str | None = None) -> str:
     script = f"the training script {path!r}" if path else "the training script"
     return (f"{script} must guard its entry point with `if __name__ == \"__main__\":` (the "
@@ -242,6 +259,13 @@ class WorkerHandle:
     def alive(self) -> bool:
         """Whether the process is running."""
         return self.process.is_alive()
+
+    def ready(self) -> bool:
+        """Whether the worker has started, without waiting (raises as
+        :meth:`wait_started` if it died while starting)."""
+        if not self.started and (self._conn.poll() or not self.process.is_alive()):
+            self.wait_started(0)
+        return self.started
 
     def wait_started(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for the worker to be ready (to
@@ -407,7 +431,7 @@ def _main(conn) -> None:
     torch.set_num_threads(1)
     os.nice(NICENESS)
     conn.send("ready")
-    worker = _Worker()
+    worker = Persister()
     while True:
         try:
             job = conn.recv()
@@ -454,11 +478,20 @@ def _closing(coord: FileCoordinator, save: _Save) -> Callable[[], None]:
     return cleanup
 
 
-class _Worker:
-    """What a worker keeps across saves: the staging layout, the plan cache
-    and its gloo group."""
+class Persister:
+    """What runs a worker's saves, and keeps across them: the staging
+    layout, the plan cache and its gloo group.
 
-    def __init__(self) -> None:
+    ``in_process``: it runs in the trainer (:mod:`dcp.asynchronous.async_save`,
+    until the rank's worker process is ready), where the default process
+    group is the trainer's: it never makes or destroys a group, and its
+    saves' steps go over the job's store (:class:`StoreCoordinator`), as do
+    those of every rank of a save that any rank runs in process (agreed at
+    the meeting).  Its waits for peers watch the save's abort key, since a
+    thread cannot be killed; its own writes run to their end."""
+
+    def __init__(self, in_process: bool = False) -> None:
+        self.in_process = in_process
         self.layout: Layout | None = None
         self.cache = PlanCache()
         self.store: Any = None  # the rendezvous store, under the saver's prefix
@@ -504,7 +537,7 @@ class _Worker:
                     # while another still stages (nor past a staging failure)
                     coord.run_all("waiting for every rank to stage", describe)
                 done = self.cache.save(save, job.save_id)
-                self.group_ok = job.coordination == "gloo"
+                self.group_ok = isinstance(coord, Coordinator)  # its gloo group works
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
                                   plan_entry=done.entry)
@@ -523,12 +556,14 @@ class _Worker:
             return FileCoordinator(storage, job.save_id, job.rank, job.world_size, job.timeout)
         if job.world_size == 1:
             return LocalCoordinator(0, 1)
-        self._join_group(job)
-        return Coordinator()
+        return self._join_group(job)
 
-    def _join_group(self, job: SaveJob) -> None:
-        """Make the worker's default process group the gloo group of the
-        job's rendezvous, rebuilt (as group ``seq``) if any rank needs it."""
+    def _join_group(self, job: SaveJob) -> CoordinatorBase:
+        """Meet the other ranks in the job's rendezvous store and return
+        the save's coordinator: over the store if any rank runs the save in
+        process, else over the worker's default process group, the gloo
+        group of the rendezvous, rebuilt (as group ``seq``) if any rank
+        needs it."""
         rendezvous, rank, world_size = job.rendezvous, job.rank, job.world_size
         if rendezvous is None:  # the trainer found no store to share; job.error says why
             raise job.error or CheckpointError(f"rank {rank}: no rendezvous store for the group")
@@ -545,11 +580,13 @@ class _Worker:
         healthy = self.group_ok and dist.is_initialized()
         if not healthy:
             self.store.add(f"{meet}/rebuild", 1)
+        if self.in_process:
+            self.store.add(f"{meet}/in_process", 1)
         self.group_ok = False  # until this save succeeds
         if self.store.add(f"{meet}/arrived", 1) == world_size:
             self.store.set(f"{meet}/go", "1")
             if job.seq:  # everyone is past the previous meeting
-                for key in ("rebuild", "arrived", "go", "abort"):
+                for key in ("rebuild", "in_process", "arrived", "go", "abort"):
                     self.store.delete_key(f"save{job.seq - 1}/{key}")
         # a peer whose worker died mid-save fails this one within the
         # coordination timeout, which also covers starting the peers' workers
@@ -567,10 +604,15 @@ class _Worker:
         if reason is not None:  # released by a rank that cannot take part
             raise CheckpointError(f"rank {rank}: async save of {job.checkpoint_id!r} failed on "
                                   f"another rank: {reason}")
+        if self.store.add(f"{meet}/in_process", 0):
+            store = self.store
+            return StoreCoordinator(store, f"{meet}/x/", rank, world_size, job.timeout,
+                                    lambda: read_abort(store, job.seq), ABORT_POLL_S)
         if not self.store.add(f"{meet}/rebuild", 0):
-            return
+            return Coordinator()
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"group{job.seq}", self.store),
                                 rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=job.timeout))
+        return Coordinator()
