@@ -59,9 +59,13 @@ refused as incomplete.
 
 The worker is a spawned process, so the training script must guard its
 entry point with ``if __name__ == "__main__":``, as for any spawned process:
-a script without that block fails the first save at once, saying so, and a
-worker that re-runs the script's top-level code (which blocks in
-``init_process_group`` or trains) fails it within ``timeout``.  A script fed
+a script without that block fails the first save at once, saying so.  A
+worker that re-runs the script's top-level code anyway (a save outside the
+block) exits; the saves before run in the trainer, the first one after fails,
+and so does every later one, naming what to add: that worker is never
+replaced.  One whose re-run blocks (``init_process_group``, training) is not
+ready ``timeout`` seconds after its spawn: the save then fails on every
+rank, the worker killed.  A script fed
 on standard input has no file to re-run, and its worker starts without it.
 :func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
 starts the worker before the first save, so that fewer saves run in the
@@ -87,6 +91,7 @@ from torch.distributed import distributed_c10d as c10d
 from dcp.asynchronous import worker as worker_module
 from dcp.asynchronous.staging import Layout, Stager
 from dcp.asynchronous.worker import (
+    EXIT_MAIN_RERUN,
     Outcome,
     Persister,
     Rendezvous,
@@ -97,6 +102,7 @@ from dcp.asynchronous.worker import (
     publish_abort,
     read_abort,
     refuse_main_rerun,
+    rerun_error,
     unguarded_main,
     unreachable_from_worker,
 )
@@ -276,11 +282,20 @@ class _Saver:
     def ensure_worker(self) -> WorkerHandle:
         """This rank's worker, spawned now (it starts in the background) if
         there is none: before the first save, after one died (the OOM
-        killer, idle or during a save) or was stopped.  Raises
-        :class:`CheckpointError` if the training script would be re-run by
-        a spawned process (no ``__main__`` guard)."""
+        killer, idle or during a save) or was stopped.
+
+        Raises:
+            CheckpointError: the training script would be re-run by a
+                spawned process (no ``__main__`` guard), or the worker
+                exited because it did re-run the script's top-level code
+                (:data:`~dcp.asynchronous.worker.EXIT_MAIN_RERUN`): such a
+                worker is never replaced (a new one would do the same), and
+                every later call raises again, naming what to add."""
         with self._worker_lock:
             if self.worker is not None and not self.worker.alive():
+                if self.worker.process.exitcode == EXIT_MAIN_RERUN:
+                    raise CheckpointError(f"rank {self.rank}: async save: "
+                                          f"{rerun_error(self.worker.process.pid)}")
                 self.worker.stop(timeout=0)
                 self.worker = None
             if self.worker is None:
@@ -295,7 +310,7 @@ class _Saver:
         """After this rank's worker died or was stopped: start the next one
         now, so that the next save finds it ready."""
         with self._worker_lock:
-            if self.worker is not None:
+            if self.worker is not None and self.worker.process.exitcode != EXIT_MAIN_RERUN:
                 self.worker.stop(timeout=0)
                 self.worker = None
         try:
@@ -425,18 +440,21 @@ class _Saver:
         """Hand ``job`` to a live worker (a new one if the last died while
         idle, with the plan cache's copy; the staging buffer only if the
         worker lacks it) and wait for its outcome, watching the save's
-        abort key.  While the worker is still starting, a save coordinated
-        over gloo (or not at all) runs here instead (:meth:`_run_here`)."""
+        abort key.  While the worker is still starting (for less than the
+        save's ``timeout`` since its spawn), a save coordinated over gloo
+        (or not at all) runs here instead (:meth:`_run_here`); a worker not
+        ready by then fails the save, killed (the next save starts another)."""
         for attempt in (0, 1):
             worker = self.ensure_worker()
-            if job.coordination != "file" and not worker.ready():
+            if job.coordination != "file" and not worker.ready() \
+                    and not worker.overdue(job.timeout):
                 return self._run_here(job)
             sent = job
             if self.worker_fresh:
                 sent = replace(sent, plan_entries=list(self.plans.entries.values()))
             if sent.layout is self.worker_layout:
                 sent = replace(sent, layout=None)
-            worker.wait_started(job.timeout)
+            worker.wait_started(job.timeout)  # at most timeout after its spawn
             try:
                 try:
                     worker.submit(sent)
@@ -504,11 +522,13 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
             host) copies finish; they complete in the background.
         callback: called with the response once the save committed or
             failed, on a library thread.
-        timeout: seconds any wait of the save may last before it fails: the
-            trainer's for a new background process to start (seconds: Python
-            and ``import torch``), and each background process's for the
-            others at one coordination step (at a first save, that includes
-            the others' start).  Writing itself is not bounded.
+        timeout: seconds any wait of the save may last before it fails:
+            a new background process's start, counted from its spawn
+            (seconds: Python and ``import torch``; saves before it is up run
+            in the trainer, and the first one after ``timeout`` fails), and
+            each rank's wait for the others at one coordination step (at a
+            first save, that includes the others' start).  Writing itself
+            is not bounded.
         before_commit: as for :func:`dcp.save`; run in rank 0's background
             process, so it must pickle (a module-level function or class
             instance).  Not with ``coordination="none"``, which has no

@@ -243,6 +243,13 @@ def _rerun_advice(path: str | None = None) -> str:
             f"training, the save itself)")
 
 
+def rerun_error(pid: int | None) -> CheckpointError:
+    """The failure of a save whose worker (process ``pid``) exited with
+    :data:`EXIT_MAIN_RERUN`: the script needs a ``__main__`` guard."""
+    return CheckpointError(f"the async-save worker process (pid {pid}) re-ran the training "
+                           f"script's code: {_rerun_advice()}")
+
+
 class WorkerHandle:
     """The trainer's side of one worker process (spawned on construction;
     :meth:`wait_started` waits for it to be ready)."""
@@ -251,6 +258,7 @@ class WorkerHandle:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_main, args=(child,), name=WORKER_NAME, daemon=True)
+        self.spawned = time.monotonic()
         with _main_module_importable():
             self.process.start()
         child.close()
@@ -267,15 +275,23 @@ class WorkerHandle:
             self.wait_started(0)
         return self.started
 
+    def overdue(self, timeout: float) -> bool:
+        """Whether the worker is not ready ``timeout`` seconds after its
+        spawn."""
+        return not self.started and time.monotonic() - self.spawned >= timeout
+
     def wait_started(self, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for the worker to be ready (to
-        have imported torch and hyperdcp); raises :class:`CheckpointError`,
-        the worker killed, if it died or is not ready by then."""
+        """Wait for the worker to be ready (to have imported torch and
+        hyperdcp) until ``timeout`` seconds after its spawn at most; raises
+        :class:`CheckpointError`, the worker killed, if it died or is not
+        ready by then (:func:`rerun_error` if it re-ran the training
+        script's code)."""
         if self.started:
             return
-        started = time.monotonic()
-        ready = wait_ready([self._conn, self.process.sentinel], timeout)
-        timed_out = not ready and time.monotonic() - started >= timeout
+        deadline = self.spawned + timeout
+        ready = wait_ready([self._conn, self.process.sentinel],
+                           max(0.0, deadline - time.monotonic()))
+        timed_out = not ready and time.monotonic() >= deadline
         if self._conn in ready:
             try:
                 self._conn.recv()  # its "ready"
@@ -288,8 +304,7 @@ class WorkerHandle:
             self.process.kill()
         self.process.join(5)
         if self.process.exitcode == EXIT_MAIN_RERUN:
-            raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) "
-                                  f"re-ran the training script's code: {_rerun_advice()}")
+            raise rerun_error(self.process.pid)
         if timed_out:
             what = f"did not start within timeout={timeout:g} s"
         elif alive:
