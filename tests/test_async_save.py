@@ -581,11 +581,14 @@ def test_single_process_async_save_mutate_after_return(tmp_path):
 def test_interrupted_async_save_leaves_no_folder(tmp_path):
     """Ctrl-C reaches the background process too (a terminal sends SIGINT
     to the whole job): mid-write, it deletes what it wrote and the folder
-    the save made; result() raises; the next save works."""
+    the save made; result() raises; the next save works.  The process is
+    up before the save (else the save runs in the trainer), and it holds
+    30 s after its data file, which the SIGINT cuts short: a loaded machine
+    cannot miss the window."""
     path = tmp_path / "run" / "step-1"
     sd = {"w": randn((256, 256), 1)}
     worker_started()
-    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), pause=1.0))
+    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), pause=30.0))
     deadline = time.monotonic() + WAIT
     while not (path.is_dir() and any(p.suffix == ".data" for p in path.iterdir())):
         assert time.monotonic() < deadline and not response.done(), "no data file was written"
@@ -670,7 +673,7 @@ if __name__ == "__main__":
     for step in range(1, 5):
         if step == 4:  # after the start: the save goes to the process
             worker.wait_started(120)
-        time.sleep(0.5)  # a training step, shorter than the worker's start
+        time.sleep(0.25)  # a training step, shorter than the worker's start
         sd["w"].add_(1)
         values[step] = sd["w"].clone()
         starting.append(not worker.ready())
@@ -688,18 +691,19 @@ if __name__ == "__main__":
 
 
 def test_no_save_blocks_on_the_background_process_start(tmp_path):
-    """CheckpointManager(async_save=True) after a short resume, 0.5 s
+    """CheckpointManager(async_save=True) after a short resume, 0.25 s
     training steps, the background process still starting at save 2 (it
     takes seconds: Python and import torch): save 2 blocks for less than
-    0.25x the time since the manager was made (a lower bound of the start),
-    since saves 1-2 run in the trainer instead of waiting for the process;
-    save 4, once the process is up, goes to it; every step loads exact."""
+    0.25x the time since the manager was made (a lower bound of the start)
+    and under 0.5 s, since saves 1-2 run in the trainer instead of waiting
+    for the process; save 4, once the process is up, goes to it; every step
+    loads exact."""
     done = _python(PRESTART_JOB, str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout.split()
     called, starting, blocks = [float(x) for x in out[:4]], out[4:8], [float(x) for x in out[8:]]
     assert starting[:2] == ["True", "True"] and starting[3] == "False", (starting, called)
-    assert blocks[1] < 0.25 * called[1], (blocks, called)
+    assert blocks[1] < min(0.5, 0.25 * called[1]), (blocks, called)
 
 
 def test_exchange_payloads_are_json_and_never_unpickled():
