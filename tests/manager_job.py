@@ -17,8 +17,9 @@ after step K's save started (with 64 MiB of ballast), while it is in flight
 kills only itself with SIGKILL once step K's save (sent once the background
 process is up) has returned and that process has started writing (a last
 line gives the digest of the state saved and that process's pid): the
-background processes live on and commit step K.  ``--store``: the rendezvous store is at PORT, served by
-the launcher (as torchrun's agent serves it), so it outlives the trainers.
+background processes live on and commit step K.  ``--store``: the
+rendezvous store is at PORT, served by the launcher (as torchrun's agent
+serves it), so it outlives the trainers.
 """
 
 from __future__ import annotations

@@ -44,13 +44,14 @@ WAIT = 120  # seconds: bound on every result() of a healthy save
 
 class FlakyStorage(PosixStorage):
     """POSIX storage (picklable, unlike helpers.FailingStorage) that sleeps
-    ``delay`` seconds before writing each data file (``pause`` seconds after
-    it), and raises on data file writes if ``fail``."""
+    ``delay`` seconds before writing each data file, after it waits until
+    the file ``hold`` exists (if given; at most WAIT seconds), and raises on
+    data file writes if ``fail``."""
 
-    def __init__(self, checkpoint_id, *, delay: float = 0.0, pause: float = 0.0,
+    def __init__(self, checkpoint_id, *, delay: float = 0.0, hold: str = "",
                  fail: bool = False, **options):
         super().__init__(checkpoint_id, **options)
-        self.delay, self.pause, self.fail = delay, pause, fail
+        self.delay, self.hold, self.fail = delay, hold, fail
 
     def write_file(self, name, buffers):
         if name.endswith(".data"):
@@ -58,8 +59,10 @@ class FlakyStorage(PosixStorage):
             if self.fail:
                 raise OSError(28, "injected: no space left on device", name)
         super().write_file(name, buffers)
-        if name.endswith(".data"):
-            time.sleep(self.pause)
+        deadline = time.monotonic() + WAIT
+        while name.endswith(".data") and self.hold and not os.path.exists(self.hold) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def load(target, path):
@@ -582,19 +585,20 @@ def test_interrupted_async_save_leaves_no_folder(tmp_path):
     """Ctrl-C reaches the background process too (a terminal sends SIGINT
     to the whole job): mid-write, it deletes what it wrote and the folder
     the save made; result() raises; the next save works.  The process is
-    up before the save (else the save runs in the trainer), and it holds
-    30 s after its data file, which the SIGINT cuts short: a loaded machine
+    up before the save (else the save runs in the trainer), and its write
+    is held after the data file until the SIGINT is sent: a loaded machine
     cannot miss the window."""
-    path = tmp_path / "run" / "step-1"
+    path, release = tmp_path / "run" / "step-1", tmp_path / "release"
     sd = {"w": randn((256, 256), 1)}
     worker_started()
-    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), pause=30.0))
+    response = dcp.async_save(sd, str(path), storage=FlakyStorage(str(path), hold=str(release)))
     deadline = time.monotonic() + WAIT
     while not (path.is_dir() and any(p.suffix == ".data" for p in path.iterdir())):
         assert time.monotonic() < deadline and not response.done(), "no data file was written"
         time.sleep(0.02)
     (worker,) = [p for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
-    os.kill(worker.pid, signal.SIGINT)
+    os.kill(worker.pid, signal.SIGINT)  # pending there before the write returns
+    release.touch()
     with pytest.raises(dcp.CheckpointError, match="died"):
         response.result(WAIT)
     worker.join(WAIT)
