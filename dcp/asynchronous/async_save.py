@@ -582,7 +582,8 @@ def prestart_async_worker(process_group=None) -> None:
 
     Raises:
         CheckpointError: the training script has no ``if __name__ ==
-            "__main__":`` block, so a spawned process would re-run it.
+            "__main__":`` block, so a spawned process would re-run it, or
+            the group's worker exited having re-run the script's code.
     """
     _saver_for(process_group).ensure_worker()
 
