@@ -258,21 +258,34 @@ def run(out_dir: str | Path, *, world_sizes=(2, 4), repeat: int = 3, quick: bool
 
 
 #: The resume scenario: 4 x [2048, 4096] fp32 (128 MiB) per rank, five
-#: saves, one per 1 s training step.
-RESUME_SHAPE, RESUME_SAVES, RESUME_STEP_S = (4, 2048, 4096), 5, 1.0
+#: saves, one per 1 s training step, of which ``RESUME_WORK_S`` (measured
+#: alone before the resume) is GIL-held Python work, the rest host waiting.
+RESUME_SHAPE, RESUME_SAVES, RESUME_STEP_S, RESUME_WORK_S = (4, 2048, 4096), 5, 1.0, 0.2
 RESUME_SYSTEMS = ("cold", "prestarted")
+
+
+def _python_work(n: int) -> float:
+    """Seconds of ``n`` rounds of GIL-held Python bookkeeping."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i % 7
+    return time.perf_counter() - start
 
 
 def _resume(rank: int, world_size: int, shape, system: str, scratch: str) -> dict:
     """One resumed job's rank: load the previous job's checkpoint (``system``
     ``"prestarted"``: after :func:`dcp.prestart_async_worker`, as
-    :class:`dcp.CheckpointManager` does), then a training step
-    (``RESUME_STEP_S`` of host waiting for the device) before each of
-    ``RESUME_SAVES`` async saves; seconds of the resume and of each save's
-    call (its block: waiting for the save in flight, then staging)."""
+    :class:`dcp.CheckpointManager` does), then a training step (Python work
+    that takes ``RESUME_WORK_S`` alone, then host waiting for the device, to
+    ``RESUME_STEP_S`` in all) before each of ``RESUME_SAVES`` async saves;
+    seconds of the resume, of each save's call (its block: waiting for the
+    save in flight, then staging) and of each step's Python work, and which
+    saves ran in the trainer (``AsyncSaveStats.in_trainer``)."""
     import dcp
 
     torch.set_num_threads(1)
+    rounds = int(1e6 * RESUME_WORK_S / max(_python_work(10**6), 1e-6))
     sd = _state(rank, world_size, shape)
     previous = str(Path(scratch) / "previous")
     dcp.save(sd, previous)  # the previous job's checkpoint; a sync save starts no process
@@ -282,16 +295,17 @@ def _resume(rank: int, world_size: int, shape, system: str, scratch: str) -> dic
         dcp.prestart_async_worker()
     dcp.load(sd, previous)
     resume = time.perf_counter() - start
-    blocks = []
-    response = None
+    blocks, work, responses = [], [], []
     for i in range(RESUME_SAVES):
-        time.sleep(RESUME_STEP_S)
+        work.append(_python_work(rounds))
+        time.sleep(max(RESUME_STEP_S - work[-1], 0.0))
         t = time.perf_counter()
-        response = dcp.async_save(sd, str(Path(scratch) / f"step{i + 1}"))
+        responses.append(dcp.async_save(sd, str(Path(scratch) / f"step{i + 1}")))
         blocks.append(time.perf_counter() - t)
-    assert response is not None
-    response.result()
-    return dict(system=system, world_size=world_size, resume_s=resume, block_s=blocks)
+    responses[-1].result()
+    in_trainer = [r.stats is not None and r.stats.in_trainer for r in responses]
+    return dict(system=system, world_size=world_size, resume_s=resume, block_s=blocks,
+                work_s=work, in_trainer=in_trainer)
 
 
 def run_resume(out_dir: str | Path, *, world_sizes=(2, 4), quick: bool = False,
@@ -313,7 +327,10 @@ def run_resume(out_dir: str | Path, *, world_sizes=(2, 4), quick: bool = False,
                 shutil.rmtree(work, ignore_errors=True)
             rows.append(dict(ranks[0], resume_s=max(r["resume_s"] for r in ranks),
                              block_s=[max(b) for b in zip(*(r["block_s"] for r in ranks),
-                                                          strict=True)]))
+                                                          strict=True)],
+                             work_s=[max(w) for w in zip(*(r["work_s"] for r in ranks),
+                                                         strict=True)],
+                             in_trainer=sum(sum(r["in_trainer"]) for r in ranks)))
     write_table(out_dir, "async_resume", rows, markdown_resume(rows))
     return rows
 
@@ -325,6 +342,9 @@ def markdown_resume(rows: list[dict]) -> str:
                              ("resume s", lambda r: f"{r['resume_s']:.2f}")]
     columns += [(f"save {i + 1} blocks s", lambda r, i=i: f"{r['block_s'][i]:.3f}")
                 for i in range(RESUME_SAVES)]
+    columns += [(f"saves in a trainer, of W×{RESUME_SAVES}", lambda r: str(r["in_trainer"])),
+                (f"step work s ({RESUME_WORK_S:g} alone): steps 2-3 / 4-5",
+                 lambda r: f"{max(r['work_s'][1:3]):.3f} / {max(r['work_s'][3:5]):.3f}")]
     return markdown_table(rows, columns)
 
 

@@ -14,11 +14,12 @@ its whole state.  With ``--kill-at K``, rank 0 kills the whole job (process
 group: trainers and their background save processes) with SIGKILL right
 after step K's save started (with 64 MiB of ballast), while it is in flight
 (a last line says it was).  With ``--kill-trainers-at K`` every trainer
-kills only itself with SIGKILL once step K's save has returned and its
-background process has started writing (a last line gives the digest of
-the state saved and that process's pid): the background processes live on
-and commit step K.  ``--store``: the rendezvous store is at PORT, served by
-the launcher (as torchrun's agent serves it), so it outlives the trainers.
+kills only itself with SIGKILL once step K's save (sent once the background
+process is up) has returned and that process has started writing (a last
+line gives the digest of the state saved and that process's pid): the
+background processes live on and commit step K.  ``--store``: the
+rendezvous store is at PORT, served by the launcher (as torchrun's agent
+serves it), so it outlives the trainers.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def run(rank: int, world: int, root: str, out: str, steps: int, kill_at: int | N
             if step == kill_at:  # a checkpoint of some size, still persisting at the kill
                 mgr.save(step, {**state, "ballast": torch.zeros(BALLAST_ELEMENTS)})
             elif step == kill_trainers_at:  # the trainer dies while these are written
+                # by the background process: a save before it is up runs in the trainer
+                next(iter(_savers.values())).worker.wait_started(120)
                 mgr.save(step, {**state, "ballast": torch.zeros(BALLAST_ELEMENTS // 16)})
             else:
                 mgr.save(step, state)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import dcp
 import s3_server
 from crash_points import PHASES, Crash, CrashingPlanner, CrashingStorage
+from dcp.asynchronous.async_save import _saver_for
 from dcp.tools.verify import verify
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, random_tensor
@@ -261,6 +262,9 @@ def test_crash_matrix_async(ctx):
                 pid_dir.mkdir(exist_ok=True)
                 dcp.save(state(ctx.rank, ctx.world_size, 1), prev, storage_options=options)
                 crash = Crash(phase, victim_rank(victim), ctx.rank, str(pid_dir))
+                # the kill is for the background process: a save before it is up (the
+                # first, or after the last kill) would run, and be killed, in the trainer
+                _saver_for(None).ensure_worker().wait_started(3 * TIMEOUT_S + SLACK_S)
                 start = time.monotonic()
                 response = dcp.async_save(state(ctx.rank, ctx.world_size, 2), new,
                                           planner=CrashingPlanner(crash), timeout=TIMEOUT_S,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dcp
+from dcp.asynchronous.async_save import _saver_for
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, randn
 
@@ -112,6 +113,8 @@ def test_different_ids_fail_async_saves_w2(ctx):
     _assert_names_both(str(e.value), ctx, gloo)
 
     files = [ctx.dir / f"file-{r}" for r in range(ctx.world_size)]
+    # the worker up first (the gloo save ran in the trainer): timeout=1 bounds the meeting
+    _saver_for(None).ensure_worker().wait_started(WAIT)
     response = dcp.async_save(sd, str(files[ctx.rank]), coordination="file", timeout=1)
     with pytest.raises(dcp.CheckpointError, match="passed different checkpoint ids"):
         response.result(WAIT)

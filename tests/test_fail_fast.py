@@ -202,23 +202,43 @@ def test_cli_names_its_flags_has_a_version_and_plain_help(tmp_path, capsys):
 HEADER = """
 import multiprocessing, sys, time, torch, dcp
 state = {"w": torch.ones(4)}
+
+def train(timeout=600.0):  # a save every 0.2 s for a minute, as a training loop would
+    for step in range(300):
+        try:
+            dcp.async_save(state, f"{sys.argv[1]}-{step}", timeout=timeout).result(120)
+        except dcp.CheckpointError:  # once more: was the worker replaced?
+            try:
+                dcp.async_save(state, f"{sys.argv[1]}-again", timeout=timeout).result(120)
+                print("again: saved", flush=True)
+            except dcp.CheckpointError as e:
+                print("again:", len(multiprocessing.active_children()), "workers;", e, flush=True)
+            raise
+        print("saved", step, flush=True)
+        time.sleep(0.2)
 """
 SCRIPTS = {
-    # no guard at all: refused before a worker is spawned
-    "unguarded": HEADER + "print(dcp.async_save(state, sys.argv[1]).result(120))\n",
-    # a guard, but the save also at top level: the worker re-running it exits at once
+    # no guard at all: refused before a worker is spawned, at the first save
+    "unguarded": HEADER + "train()\n",
+    # a guard, but a save also at top level: the worker re-running it exits at once; the
+    # saves before run in the trainer, the first one after fails
     "save_outside_guard": HEADER + "r = dcp.async_save(state, sys.argv[1])\n"
-                          "if __name__ == '__main__':\n    print(r.result(120))\n",
-    # a guard, but top-level code that blocks in the worker (init_process_group, training)
+                          "if __name__ == '__main__':\n    r.result(120)\n    train()\n",
+    # a guard, but top-level code that blocks in the worker (init_process_group, training):
+    # the worker is not ready 10 s after its spawn, and the save then fails
     "blocks_outside_guard": HEADER + "if multiprocessing.current_process().name != 'MainProcess':\n"
                             "    time.sleep(600)\n"
                             "if __name__ == '__main__':\n"
-                            "    r = dcp.async_save(state, sys.argv[1], timeout=10)\n"
-                            "    print(r.result(120))\n",
+                            "    train(timeout=10)\n",
 }
 
 
 def test_async_save_from_a_script_the_worker_would_rerun_fails_fast_saying_what_to_add(tmp_path):
+    """Three scripts whose background process would re-run their code, each
+    saving in a loop: each fails within seconds with a CheckpointError that
+    names the `__main__` guard to add; the next save fails again where a
+    new worker would re-run the script too, and a worker that blocks fails
+    the save at its timeout, killed, and is replaced."""
     procs = {}
     for name, text in SCRIPTS.items():
         (tmp_path / f"{name}.py").write_text(text)
@@ -228,15 +248,21 @@ def test_async_save_from_a_script_the_worker_would_rerun_fails_fast_saying_what_
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}))
     for name, (started, proc) in procs.items():
         try:
-            _, err = proc.communicate(timeout=90)
+            out, err = proc.communicate(timeout=90)
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail(f"{name}: still waiting after 90 s")
         assert proc.returncode != 0, name
         assert 'if __name__ == "__main__":' in err, (name, err[-2000:])
         assert "CheckpointError" in err, (name, err[-2000:])
-        if name == "blocks_outside_guard":
-            assert "within timeout=10 s" in err, err[-2000:]
+        if name == "unguarded":  # refused at the first save, and at the next
+            assert "saved" not in out and "again: 0 workers; " in out, out
+        if name == "save_outside_guard":  # the worker that re-ran is not replaced
+            assert "re-ran the training script's code" in err, err[-2000:]
+            again = out[out.index("again: "):]
+            assert again.startswith("again: 0 workers; ") and "re-ran" in again, out
+        if name == "blocks_outside_guard":  # the worker killed at the timeout is replaced
+            assert "within timeout=10 s" in err and "again: saved" in out, (out, err[-2000:])
         assert time.monotonic() - started < 80, name
 
 

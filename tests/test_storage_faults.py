@@ -6,6 +6,8 @@ intact, for dcp.save and dcp.async_save."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,7 +47,10 @@ def test_transient_faults_are_retried_and_the_save_succeeds(kind, tmp_path):
     url, options = _location(kind, tmp_path)
     for seed, faults in ((1, TRANSIENT), (2, {"rate": 0.5, "max_consecutive": 3, "seed": 7})):
         storage = open_storage(f"faulty://{url}", **faults, options=options)
+        drawn = random.getstate()
         md = dcp.save(_state(seed), url, storage=storage, overwrite=True)
+        # the retries' jitter leaves the job's random stream (saved by the manager) as it was
+        assert random.getstate() == drawn
         expected = {"ENOSPC", "EIO"} if kind == "posix" else {"timeout", "503", "slowdown", "500"}
         assert set(storage.injected) <= expected, storage.injected
         if faults is TRANSIENT:  # (the other draws depend on the save's random id)

@@ -4,7 +4,15 @@
 reused shared-memory staging buffer (:mod:`dcp.asynchronous.staging`) and returns.
 Planning, coordination, writing and commit run in a persistent background
 process per rank (:mod:`dcp.asynchronous.worker`), so the trainer's Python, GIL and
-communicators are untouched while the checkpoint persists.
+communicators are untouched while the checkpoint persists.  Until that
+process has started (seconds: spawn, ``import torch``), a save coordinated
+over gloo or not at all runs the same code on the trainer's save thread
+instead, so that no save waits for the start; its steps then go over the
+job's rendezvous store on every rank
+(:class:`dcp.coordination.store_exchange.StoreCoordinator`), and it takes
+some of the trainer's CPU and GIL (docs/async-save.md).  A ``"file"`` save
+waits for the process: the file protocol's waits cannot watch the abort
+key that bounds a save whose peer died.
 
 Coordination of the background processes (``coordination=``):
 
@@ -51,12 +59,17 @@ refused as incomplete.
 
 The worker is a spawned process, so the training script must guard its
 entry point with ``if __name__ == "__main__":``, as for any spawned process:
-a script without that block fails the first save at once, saying so, and a
-worker that re-runs the script's top-level code (which blocks in
-``init_process_group`` or trains) fails it within ``timeout``.  A script fed
+a script without that block fails the first save at once, saying so.  A
+worker that re-runs the script's top-level code anyway (a save outside the
+block) exits; the saves before run in the trainer, the first one after fails,
+and so does every later one, naming what to add: that worker is never
+replaced.  One whose re-run blocks (``init_process_group``, training) is not
+ready ``timeout`` seconds after its spawn: the save then fails on every
+rank, the worker killed.  A script fed
 on standard input has no file to re-run, and its worker starts without it.
 :func:`prestart_async_worker` (called by :class:`dcp.CheckpointManager`)
-starts the worker before the first save, so that no save waits for it.
+starts the worker before the first save, so that fewer saves run in the
+trainer.
 """
 
 from __future__ import annotations
@@ -78,7 +91,9 @@ from torch.distributed import distributed_c10d as c10d
 from dcp.asynchronous import worker as worker_module
 from dcp.asynchronous.staging import Layout, Stager
 from dcp.asynchronous.worker import (
+    EXIT_MAIN_RERUN,
     Outcome,
+    Persister,
     Rendezvous,
     SaveJob,
     WorkerDied,
@@ -87,7 +102,9 @@ from dcp.asynchronous.worker import (
     publish_abort,
     read_abort,
     refuse_main_rerun,
+    rerun_error,
     unguarded_main,
+    unreachable_from_worker,
 )
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.plan_cache import PlanCache
@@ -117,7 +134,9 @@ class AsyncSaveStats:
     plan (on a plan-cache hit only the key check).  ``persist_s``: background
     time from receiving the save to its commit.  ``plan_exchanged``: whether
     local plans were exchanged (False on a plan-cache hit and with
-    ``coordination="none"``).
+    ``coordination="none"``).  ``in_trainer``: whether the save ran on a
+    thread of the calling process, its background process still starting
+    (docs/async-save.md).
     """
 
     stall_s: float
@@ -125,6 +144,7 @@ class AsyncSaveStats:
     planning_s: float
     persist_s: float
     plan_exchanged: bool
+    in_trainer: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,6 +255,8 @@ class _Saver:
         self.worker_layout: Layout | None = None  # the buffer this worker holds
         self.worker_fresh = False  # the worker has had no job yet: send it the plan cache
         self.plans = PlanCache()  # a copy of the worker's, for a new worker
+        #: runs the saves on the persist thread while the worker starts
+        self.here = Persister(in_process=True)
         self.seq = 0
         self.counters = AsyncSaveCounters()
 
@@ -260,11 +282,20 @@ class _Saver:
     def ensure_worker(self) -> WorkerHandle:
         """This rank's worker, spawned now (it starts in the background) if
         there is none: before the first save, after one died (the OOM
-        killer, idle or during a save) or was stopped.  Raises
-        :class:`CheckpointError` if the training script would be re-run by
-        a spawned process (no ``__main__`` guard)."""
+        killer, idle or during a save) or was stopped.
+
+        Raises:
+            CheckpointError: the training script would be re-run by a
+                spawned process (no ``__main__`` guard), or the worker
+                exited because it did re-run the script's top-level code
+                (:data:`~dcp.asynchronous.worker.EXIT_MAIN_RERUN`): such a
+                worker is never replaced (a new one would do the same), and
+                every later call raises again, naming what to add."""
         with self._worker_lock:
             if self.worker is not None and not self.worker.alive():
+                if self.worker.process.exitcode == EXIT_MAIN_RERUN:
+                    raise CheckpointError(f"rank {self.rank}: async save: "
+                                          f"{rerun_error(self.worker.process.pid)}")
                 self.worker.stop(timeout=0)
                 self.worker = None
             if self.worker is None:
@@ -279,7 +310,7 @@ class _Saver:
         """After this rank's worker died or was stopped: start the next one
         now, so that the next save finds it ready."""
         with self._worker_lock:
-            if self.worker is not None:
+            if self.worker is not None and self.worker.process.exitcode != EXIT_MAIN_RERUN:
                 self.worker.stop(timeout=0)
                 self.worker = None
         try:
@@ -339,7 +370,7 @@ class _Saver:
             bytes_staged=self.stager.bytes_staged, staging_allocations=self.stager.allocations)
         staged_bytes = sum(c.nbytes for c in job.layout.chunks) if job.layout is not None else 0
         response.stats = AsyncSaveStats(stall, staged_bytes, outcome.planning_s,
-                                        outcome.persist_s, outcome.exchanged)
+                                        outcome.persist_s, outcome.exchanged, outcome.in_trainer)
         finish()
         if outcome.error is not None:
             response._outcome.set_exception(outcome.error)
@@ -387,19 +418,44 @@ class _Saver:
         if self.store is not None and job.coordination != "none" and self.world_size > 1:
             publish_abort(self.store, job.seq, cause)
 
+    def _run_here(self, job: SaveJob) -> Outcome:
+        """Run ``job`` on this (persist) thread, as the worker would, with
+        the plan cache's copy: no save waits for the worker's start.  The
+        trainer's garbage collector, thread count and priority are left as
+        they are; the save takes some of the trainer's CPU and GIL instead
+        (docs/async-save.md)."""
+        culprit = unreachable_from_worker((job.storage, job.planner, job.before_commit))
+        if culprit is not None:  # refused as the worker would refuse it
+            return Outcome(job.seq, alone=True, error=CheckpointError(
+                f"rank {self.rank}: the async save to {job.checkpoint_id!r} passed {culprit}, "
+                f"which its background process cannot import: a class or function of a "
+                f"script fed on standard input or typed at a prompt is not; define it in a "
+                f"module"))
+        self.here.cache = PlanCache()
+        job = replace(job, plan_entries=list(self.plans.entries.values()))
+        outcome, cleanup = self.here.run(job, lambda: None)
+        cleanup()
+        return replace(outcome, in_trainer=True)
+
     def _submit_and_wait(self, job: SaveJob) -> Outcome:
         """Hand ``job`` to a live worker (a new one if the last died while
         idle, with the plan cache's copy; the staging buffer only if the
         worker lacks it) and wait for its outcome, watching the save's
-        abort key."""
+        abort key.  While the worker is still starting (for less than the
+        save's ``timeout`` since its spawn), a save coordinated over gloo
+        (or not at all) runs here instead (:meth:`_run_here`); a worker not
+        ready by then fails the save, killed (the next save starts another)."""
         for attempt in (0, 1):
             worker = self.ensure_worker()
+            if job.coordination != "file" and not worker.ready() \
+                    and not worker.overdue(job.timeout):
+                return self._run_here(job)
             sent = job
             if self.worker_fresh:
                 sent = replace(sent, plan_entries=list(self.plans.entries.values()))
             if sent.layout is self.worker_layout:
                 sent = replace(sent, layout=None)
-            worker.wait_started(job.timeout)
+            worker.wait_started(job.timeout)  # at most timeout after its spawn
             try:
                 try:
                     worker.submit(sent)
@@ -467,11 +523,13 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
             host) copies finish; they complete in the background.
         callback: called with the response once the save committed or
             failed, on a library thread.
-        timeout: seconds any wait of the save may last before it fails: the
-            trainer's for a new background process to start (seconds: Python
-            and ``import torch``), and each background process's for the
-            others at one coordination step (at a first save, that includes
-            the others' start).  Writing itself is not bounded.
+        timeout: seconds any wait of the save may last before it fails:
+            a new background process's start, counted from its spawn
+            (seconds: Python and ``import torch``; saves before it is up run
+            in the trainer, and the first one after ``timeout`` fails), and
+            each rank's wait for the others at one coordination step (at a
+            first save, that includes the others' start).  Writing itself
+            is not bounded.
         before_commit: as for :func:`dcp.save`; run in rank 0's background
             process, so it must pickle (a module-level function or class
             instance).  Not with ``coordination="none"``, which has no
@@ -515,9 +573,9 @@ def async_save_counters(process_group=None) -> AsyncSaveCounters:
 def prestart_async_worker(process_group=None) -> None:
     """Start this rank's background save process for ``process_group``'s
     async saves now, and return at once: it starts (spawn, ``import
-    torch``: seconds) while the caller resumes and trains, so that no
-    :func:`async_save` waits for it.  Without it, the first save starts the
-    process and a second save soon after blocks until the first is done.
+    torch``: seconds) while the caller resumes and trains; saves before it
+    is up run in the trainer (module doc).  Without it, the first save
+    starts the process.
     :class:`dcp.CheckpointManager` calls it when made with
     ``async_save=True``.  Call it on every rank of the group (it makes the
     group's saver, in the order the ranks' first async saves would); a
@@ -525,7 +583,8 @@ def prestart_async_worker(process_group=None) -> None:
 
     Raises:
         CheckpointError: the training script has no ``if __name__ ==
-            "__main__":`` block, so a spawned process would re-run it.
+            "__main__":`` block, so a spawned process would re-run it, or
+            the group's worker exited having re-run the script's code.
     """
     _saver_for(process_group).ensure_worker()
 

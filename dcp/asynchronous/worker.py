@@ -80,6 +80,7 @@ from dcp.coordination.collectives import Coordinator, CoordinatorBase, LocalCoor
 from dcp.coordination.file_flag import FileCoordinator
 from dcp.coordination.independent import IndependentSave
 from dcp.coordination.plan_cache import CacheEntry, PlanCache
+from dcp.coordination.store_exchange import StoreCoordinator
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
@@ -155,7 +156,7 @@ class Outcome:
     """The worker's answer to job ``seq``: the committed ``metadata`` or the
     ``error``; seconds spent deciding the plan (``planning_s``) and on the
     whole job (``persist_s``); whether plans were exchanged, and then the
-    new ``plan_entry``."""
+    new ``plan_entry``; whether the trainer ran it (``in_trainer``)."""
 
     seq: int
     metadata: Metadata | None = None
@@ -165,6 +166,7 @@ class Outcome:
     exchanged: bool = False
     plan_entry: CacheEntry | None = None
     alone: bool = False  # failed before taking part in the save's coordination
+    in_trainer: bool = False  # run by the trainer, its worker still starting
 
 
 class WorkerDied(CheckpointError):
@@ -219,12 +221,34 @@ def refuse_main_rerun() -> None:
         os._exit(EXIT_MAIN_RERUN)
 
 
+def unreachable_from_worker(objects: tuple) -> str | None:
+    """The first of ``objects`` that a worker could not unpickle because it
+    is defined in a main module the worker does not import (a script fed on
+    standard input, ``-c``, a prompt), named; else ``None``."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or (isinstance(path, str)
+                                                       and os.path.isfile(path)):
+        return None
+    for obj in objects:
+        if obj is not None and getattr(obj, "__module__", None) == "__main__":
+            return f"{getattr(obj, '__qualname__', type(obj).__qualname__)!r} of __main__"
+    return None
+
+
 def _rerun_advice(path: str | None = None) -> str:
     script = f"the training script {path!r}" if path else "the training script"
     return (f"{script} must guard its entry point with `if __name__ == \"__main__\":` (the "
             f"async-save worker is a spawned process, which re-imports the script's main "
             f"module and so re-runs any code outside that block: init_process_group, "
             f"training, the save itself)")
+
+
+def rerun_error(pid: int | None) -> CheckpointError:
+    """The failure of a save whose worker (process ``pid``) exited with
+    :data:`EXIT_MAIN_RERUN`: the script needs a ``__main__`` guard."""
+    return CheckpointError(f"the async-save worker process (pid {pid}) re-ran the training "
+                           f"script's code: {_rerun_advice()}")
 
 
 class WorkerHandle:
@@ -235,6 +259,7 @@ class WorkerHandle:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_main, args=(child,), name=WORKER_NAME, daemon=True)
+        self.spawned = time.monotonic()
         with _main_module_importable():
             self.process.start()
         child.close()
@@ -244,15 +269,30 @@ class WorkerHandle:
         """Whether the process is running."""
         return self.process.is_alive()
 
+    def ready(self) -> bool:
+        """Whether the worker has started, without waiting (raises as
+        :meth:`wait_started` if it died while starting)."""
+        if not self.started and (self._conn.poll() or not self.process.is_alive()):
+            self.wait_started(0)
+        return self.started
+
+    def overdue(self, timeout: float) -> bool:
+        """Whether the worker is not ready ``timeout`` seconds after its
+        spawn."""
+        return not self.started and time.monotonic() - self.spawned >= timeout
+
     def wait_started(self, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for the worker to be ready (to
-        have imported torch and hyperdcp); raises :class:`CheckpointError`,
-        the worker killed, if it died or is not ready by then."""
+        """Wait for the worker to be ready (to have imported torch and
+        hyperdcp) until ``timeout`` seconds after its spawn at most; raises
+        :class:`CheckpointError`, the worker killed, if it died or is not
+        ready by then (:func:`rerun_error` if it re-ran the training
+        script's code)."""
         if self.started:
             return
-        started = time.monotonic()
-        ready = wait_ready([self._conn, self.process.sentinel], timeout)
-        timed_out = not ready and time.monotonic() - started >= timeout
+        deadline = self.spawned + timeout
+        ready = wait_ready([self._conn, self.process.sentinel],
+                           max(0.0, deadline - time.monotonic()))
+        timed_out = not ready and time.monotonic() >= deadline
         if self._conn in ready:
             try:
                 self._conn.recv()  # its "ready"
@@ -265,8 +305,7 @@ class WorkerHandle:
             self.process.kill()
         self.process.join(5)
         if self.process.exitcode == EXIT_MAIN_RERUN:
-            raise CheckpointError(f"the async-save worker process (pid {self.process.pid}) "
-                                  f"re-ran the training script's code: {_rerun_advice()}")
+            raise rerun_error(self.process.pid)
         if timed_out:
             what = f"did not start within timeout={timeout:g} s"
         elif alive:
@@ -408,7 +447,7 @@ def _main(conn) -> None:
     torch.set_num_threads(1)
     os.nice(NICENESS)
     conn.send("ready")
-    worker = _Worker()
+    worker = Persister()
     while True:
         try:
             job = conn.recv()
@@ -455,11 +494,20 @@ def _closing(coord: FileCoordinator, save: _Save) -> Callable[[], None]:
     return cleanup
 
 
-class _Worker:
-    """What a worker keeps across saves: the staging layout, the plan cache
-    and its gloo group."""
+class Persister:
+    """What runs a worker's saves, and keeps across them: the staging
+    layout, the plan cache and its gloo group.
 
-    def __init__(self) -> None:
+    ``in_process``: it runs in the trainer (:mod:`dcp.asynchronous.async_save`,
+    until the rank's worker process is ready), where the default process
+    group is the trainer's: it never makes or destroys a group, and its
+    saves' steps go over the job's store (:class:`StoreCoordinator`), as do
+    those of every rank of a save that any rank runs in process (agreed at
+    the meeting).  Its waits for peers watch the save's abort key, since a
+    thread cannot be killed; its own writes run to their end."""
+
+    def __init__(self, in_process: bool = False) -> None:
+        self.in_process = in_process
         self.layout: Layout | None = None
         self.cache = PlanCache()
         self.store: Any = None  # the rendezvous store, under the saver's prefix
@@ -506,7 +554,7 @@ class _Worker:
                     # while another still stages (nor past a staging failure)
                     coord.run_all("waiting for every rank to stage", describe)
                 done = self.cache.save(save, job.save_id)
-                self.group_ok = job.coordination == "gloo"
+                self.group_ok = isinstance(coord, Coordinator)  # its gloo group works
                 outcome = Outcome(job.seq, done.metadata, planning_s=done.planning_s,
                                   exchanged=done.exchanged,
                                   plan_entry=done.entry)
@@ -525,12 +573,14 @@ class _Worker:
             return FileCoordinator(storage, job.save_id, job.rank, job.world_size, job.timeout)
         if job.world_size == 1:
             return LocalCoordinator(0, 1)
-        self._join_group(job)
-        return Coordinator()
+        return self._join_group(job)
 
-    def _join_group(self, job: SaveJob) -> None:
-        """Make the worker's default process group the gloo group of the
-        job's rendezvous, rebuilt (as group ``seq``) if any rank needs it."""
+    def _join_group(self, job: SaveJob) -> CoordinatorBase:
+        """Meet the other ranks in the job's rendezvous store and return
+        the save's coordinator: over the store if any rank runs the save in
+        process, else over the worker's default process group, the gloo
+        group of the rendezvous, rebuilt (as group ``seq``) if any rank
+        needs it."""
         rendezvous, rank, world_size = job.rendezvous, job.rank, job.world_size
         if rendezvous is None:  # the trainer found no store to share; job.error says why
             raise job.error or CheckpointError(f"rank {rank}: no rendezvous store for the group")
@@ -547,11 +597,13 @@ class _Worker:
         healthy = self.group_ok and dist.is_initialized()
         if not healthy:
             self.store.add(f"{meet}/rebuild", 1)
+        if self.in_process:
+            self.store.add(f"{meet}/in_process", 1)
         self.group_ok = False  # until this save succeeds
         if self.store.add(f"{meet}/arrived", 1) == world_size:
             self.store.set(f"{meet}/go", "1")
             if job.seq:  # everyone is past the previous meeting
-                for key in ("rebuild", "arrived", "go", "abort"):
+                for key in ("rebuild", "in_process", "arrived", "go", "abort"):
                     self.store.delete_key(f"save{job.seq - 1}/{key}")
         # a peer whose worker died mid-save fails this one within the
         # coordination timeout, which also covers starting the peers' workers
@@ -569,10 +621,15 @@ class _Worker:
         if reason is not None:  # released by a rank that cannot take part
             raise CheckpointError(f"rank {rank}: async save of {job.checkpoint_id!r} failed on "
                                   f"another rank: {reason}")
+        if self.store.add(f"{meet}/in_process", 0):
+            store = self.store
+            return StoreCoordinator(store, f"{meet}/x/", rank, world_size, job.timeout,
+                                    lambda: read_abort(store, job.seq), ABORT_POLL_S)
         if not self.store.add(f"{meet}/rebuild", 0):
-            return
+            return Coordinator()
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"group{job.seq}", self.store),
                                 rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=job.timeout))
+        return Coordinator()

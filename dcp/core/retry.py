@@ -8,6 +8,11 @@ attempt (:meth:`dcp.core.storage.StoragePlugin.is_transient`).  A plugin whose
 backend already retries below the plugin interface (the S3 plugin: botocore
 retries each request) reports those failures as final, so no fault is ever
 retried by two layers.
+
+The jitter comes from a generator of its own, never Python's global one: a
+save in the training process (:func:`dcp.save`, an async save before its
+background process is up) must not move the job's random streams, which
+the checkpoint manager saves and a resume restores exactly.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+_JITTER = random.Random()  # not the global generator: module doc
 
 #: ``OSError`` numbers that a later attempt may not meet: a full or failing
 #: device on a shared filesystem (space is freed, a server fails over), an
@@ -58,7 +65,7 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int) -> float:
         """Seconds to sleep before attempt ``attempt`` (2, 3, ...)."""
-        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 2)))
+        return _JITTER.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 2)))
 
     def call(self, fn: Callable[[], T], transient: Callable[[BaseException], bool]) -> T:
         """``fn()``, attempted again while it raises an exception for which
