@@ -358,6 +358,8 @@ def kill_worker() -> int:
     and wait until it is gone; returns its pid."""
     workers = [p for p in multiprocessing.active_children() if p.name == "dcp-async-save"]
     assert len(workers) == 1, workers
+    if sys.platform.startswith("linux"):  # found by `pgrep dcp-async-save`
+        assert Path(f"/proc/{workers[0].pid}/comm").read_text().strip() == "dcp-async-save"
     os.kill(workers[0].pid, signal.SIGKILL)
     workers[0].join(WAIT)
     return workers[0].pid

@@ -447,9 +447,10 @@ def _free_port() -> int:
 
 
 def _start(world: int, root: str, out: Path, steps: int, *extra: str,
-           port: int | None = None) -> list[subprocess.Popen]:
+           port: int | None = None, stderr: Path | None = None) -> list[subprocess.Popen]:
     """The ranks of a tests/manager_job.py job, in one process group (the
-    first rank's); ``port``: of a store the caller serves (``--store``)."""
+    first rank's); ``port``: of a store the caller serves (``--store``);
+    ``stderr``: a file taking every process's standard error."""
     port = port or _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
@@ -459,7 +460,8 @@ def _start(world: int, root: str, out: Path, steps: int, *extra: str,
         procs.append(subprocess.Popen(
             [sys.executable, str(HERE / "manager_job.py"), str(rank), str(world), str(port),
              root, str(out), str(steps), *extra], env=env,
-            process_group=0 if leader is None else leader.pid))
+            process_group=0 if leader is None else leader.pid,
+            stderr=None if stderr is None else stderr.open("a")))
         leader = leader or procs[0]
     return procs
 
@@ -585,7 +587,7 @@ def _trainers_killed_after_save_then_resumed(ctx) -> None:
         codes: object = "the job timed out and was killed"
         with contextlib.suppress(subprocess.TimeoutExpired):
             codes = _wait_job(_start(world, root, out, 8, "--kill-trainers-at", "6", "--store",
-                                     port=store.port))
+                                     port=store.port, stderr=ctx.dir / "first.stderr"))
         if codes == [-signal.SIGKILL] * world:  # until the background processes committed
             _wait_for(ctx.dir / "run" / "step-6" / "metadata.json", timeout=120)
         (ctx.dir / "codes").write_text(json.dumps(codes))
@@ -606,7 +608,11 @@ def _trainers_killed_after_save_then_resumed(ctx) -> None:
     assert again[0] == {"resumed": 6, "digest": killed["digest"]}, (again[0], killed)
     assert [rec["step"] for rec in again[1:]] == [7, 8]
     assert _shared(lambda: complete_steps(open_storage(root).list_files())) == [6, 8]
-    _gone([killed["worker"]])  # exited once their save was done
+    _gone([killed["worker"]])  # exited once their save was done, quietly
+    ctx.barrier()
+    if ctx.rank == 0:
+        assert "Traceback" not in (ctx.dir / "first.stderr").read_text(), (
+            (ctx.dir / "first.stderr").read_text()[-3000:])
 
 
 @dist_scenario(world_size=2)

@@ -446,12 +446,13 @@ def _main(conn) -> None:
     # takes many times longer, and the first save waits for it
     torch.set_num_threads(1)
     os.nice(NICENESS)
+    _name_process(WORKER_NAME)
     conn.send("ready")
     worker = Persister()
     while True:
         try:
             job = conn.recv()
-        except EOFError:  # the trainer is gone
+        except (EOFError, OSError):  # the trainer is gone: an idle worker leaves quietly
             return
         except Exception as e:  # a job that does not unpickle here
             conn.send(Outcome(-1, error=CheckpointError(
@@ -464,8 +465,23 @@ def _main(conn) -> None:
             return
         with gc_paused():
             outcome, cleanup = worker.run(job, lambda: conn.send(COMMITTING))
-        conn.send(outcome)
+        try:
+            conn.send(outcome)
+        except OSError:  # the trainer died during the save, which went on without it
+            cleanup()
+            return
         cleanup()
+
+
+def _name_process(name: str) -> None:
+    """Give this process ``name`` as its command name where the system
+    has one (Linux: ``/proc/self/comm``, what ``pgrep``, ``top`` and
+    ``ps -o comm`` show; at most 15 bytes)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def _announced(committing: Callable[[], None],
