@@ -25,7 +25,9 @@ The phases, in order, and where each decision lives:
 * **Memory tier** (``memory=MemoryTier(...)``, :mod:`dcp.recovery`): every
   ``memory.interval`` steps the state is staged into host shared memory and
   committed there in the background (copies on other hosts, SDC check); the
-  steps the save policy picks are then persisted from host memory.  A
+  steps the save policy picks are then persisted from host memory, while
+  the next memory steps go on (a memory save waits for the previous one's
+  commit, never for a persist; :meth:`CheckpointManager.wait` for both).  A
   resume first restores the newest memory step every rank can get complete
   (:mod:`dcp.recovery.restore`), unless a persistent step is newer; a step
   that cannot be restored on some rank sends every rank to an older one.
