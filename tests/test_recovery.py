@@ -241,8 +241,9 @@ def test_more_replicas_than_other_hosts_is_warned_and_the_step_restores(ctx):
 @dist_scenario(world_size=2)
 def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
     """Hosts h0 and h1, one rank each.  Step 2 is persisted to a root whose
-    every data write first waits 2 s (``faulty://``: a timeout fault, then
-    the retry goes through); memory step 3 is saved and commits while that
+    every file write first waits 1 s (``faulty://``: a timeout fault, then
+    the retry goes through; the data files, then the records file: at least
+    2 s in a row); memory step 3 is saved and commits while that
     persist still runs, step 2 staying pinned in host memory beside it, and
     ``wait`` waits for the persist.  Then memory step 3 and persistent step 2
     load element-exact."""
@@ -252,7 +253,7 @@ def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
     tier = dcp.MemoryTier(host=host, namespace=str(ctx.dir / "shm" / host), run_id="job",
                           timeout=60)
     root = ctx.dir / "root"
-    slow = {"faults": ["timeout"], "rate": 1.0, "max_consecutive": 1, "delay_s": 2.0}
+    slow = {"faults": ["timeout"], "rate": 1.0, "max_consecutive": 1, "delay_s": 1.0}
     mgr = dcp.CheckpointManager(f"faulty://{root}", interval=2, async_save=False,
                                 save_rng=False, memory=tier, storage_options=slow)
 
@@ -269,7 +270,7 @@ def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
     third = mgr.last_memory_save
     assert third is not None and third.step == 3
     assert third.committed.wait(30) and third.error is None, third.error
-    # step 3 committed, step 2's persist (at least 2 s of writes) still running
+    # step 3 committed, step 2's persist (2 s of writes at least) still running
     assert not persisting.done.is_set() and persisting.committed.is_set()
     assert mgr.memory_steps() == [2, 3], mgr.memory_steps()  # 2 pinned
     assert 2 not in mgr.persistent_steps()
