@@ -239,14 +239,15 @@ def test_more_replicas_than_other_hosts_is_warned_and_the_step_restores(ctx):
 
 
 @dist_scenario(world_size=2)
-def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
+def test_the_next_memory_saves_commit_while_the_previous_step_persists(ctx):
     """Hosts h0 and h1, one rank each.  Step 2 is persisted to a root whose
     every file write first waits 1 s (``faulty://``: a timeout fault, then
     the retry goes through; the data files, then the records file: at least
     2 s in a row); memory step 3 is saved and commits while that
-    persist still runs, step 2 staying pinned in host memory beside it, and
-    ``wait`` waits for the persist.  Then memory step 3 and persistent step 2
-    load element-exact."""
+    persist still runs, step 2 staying pinned in host memory beside it; step
+    4 too, step 3 giving way (dropped: two steps on a host); ``wait`` waits
+    for the persist.  Then memory step 4 and persistent step 2 load
+    element-exact."""
     import torch
 
     host = f"h{ctx.rank}"
@@ -254,8 +255,9 @@ def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
                           timeout=60)
     root = ctx.dir / "root"
     slow = {"faults": ["timeout"], "rate": 1.0, "max_consecutive": 1, "delay_s": 1.0}
-    mgr = dcp.CheckpointManager(f"faulty://{root}", interval=2, async_save=False,
-                                save_rng=False, memory=tier, storage_options=slow)
+    mgr = dcp.CheckpointManager(f"faulty://{root}", save_policy=dcp.SpecificSteps([2]),
+                                async_save=False, save_rng=False, memory=tier,
+                                storage_options=slow)
 
     def values(step: int):
         return torch.arange(8, dtype=torch.float32) + 10 * ctx.rank + step
@@ -274,14 +276,21 @@ def test_the_next_memory_save_commits_while_the_previous_step_persists(ctx):
     assert not persisting.done.is_set() and persisting.committed.is_set()
     assert mgr.memory_steps() == [2, 3], mgr.memory_steps()  # 2 pinned
     assert 2 not in mgr.persistent_steps()
+    # step 4 while 2 still persists: step 3 gives way (the host holds two steps)
+    assert mgr.save(4, state(4))
+    fourth = mgr.last_memory_save
+    assert fourth is not None and fourth.committed.wait(30) and fourth.error is None
+    assert not persisting.done.is_set()
+    assert mgr.memory_steps() == [2, 4], mgr.memory_steps()
+    assert not (Path(tier.namespace) / "job" / "step-3").exists()
     mgr.wait()
     assert persisting.done.is_set() and persisting.persist_error is None, persisting
     assert mgr.errors == [], mgr.errors
-    assert mgr.persistent_steps() == [2] and mgr.memory_steps() == [3]
+    assert mgr.persistent_steps() == [2] and mgr.memory_steps() == [4]
     target = {"w": dcp.TensorShard(torch.zeros(8), (16,), (8 * ctx.rank,))}
-    assert mgr.load_latest(target) == 3
+    assert mgr.load_latest(target) == 4
     assert mgr.last_restore is not None and mgr.last_restore.bytes_persistent == 0
-    assert torch.equal(target["w"].data, values(3)), target
+    assert torch.equal(target["w"].data, values(4)), target
     persisted = {"w": dcp.TensorShard(torch.zeros(8), (16,), (8 * ctx.rank,))}
     dcp.load(persisted, str(root / "step-2"))
     assert torch.equal(persisted["w"].data, values(2)), persisted

@@ -144,6 +144,12 @@ class HostStore:
     def commit(self, step: int) -> None:
         _atomic_write(self.step_dir(step) / COMMITTED, b"")
 
+    def retract(self, step: int) -> None:
+        """``step`` no longer counts on this host (its ``COMMITTED`` removed):
+        its files may go after, and the next commit drops its folder."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.step_dir(step) / COMMITTED).unlink()
+
     def release(self, step: int, rank: int, files: tuple[str, ...]) -> None:
         """Rank ``rank`` stops holding ``files`` of ``step``: its held list
         loses them first (atomically), then they are deleted, so the step

@@ -301,16 +301,19 @@ class Snapshotter:
 
     def _give_way(self, step: int) -> None:
         """While a persist pins a step older than the previous committed one,
-        this rank's files of the previous step are released before ``step``
-        is staged (held list first): the host then holds the pinned step,
-        the new one and no third (the memory bound); until ``step`` commits
-        the pinned step is this host's newest complete one."""
+        the previous step gives way before ``step`` is staged: it stops
+        counting on this host, then this rank's files of it are released.
+        The host then holds the pinned step, the new one and no third (the
+        memory bound); until ``step`` commits the pinned step is this host's
+        newest complete one (and stays so if ``step`` fails)."""
         store, rank = self.g.store, self.g.rank
         pinned = store.pinned
         if not pinned:
             return
-        older = [s for s in store.steps() if s < step and s not in pinned]
+        # every folder: a rank of this host may have retracted it already
+        older = [s for s in store.steps(committed=False) if s < step and s not in pinned]
         if older and older[-1] > max(pinned):
+            store.retract(older[-1])
             store.release(older[-1], rank, (own_file(rank), copies_file(rank), blobs_file(rank),
                                             blob_copies_file(rank)))
 
