@@ -508,7 +508,7 @@ class CheckpointManager:
             retention = self._retention
         if retention is not None:
             retention.join()
-        self._warn_errors()
+        self._warn_errors(stacklevel=3)
         self._raise_corruption()
 
     def _wait_in_flight(self) -> None:
@@ -517,9 +517,10 @@ class CheckpointManager:
             done.wait()
             self._in_flight = None
 
-    def _warn_errors(self) -> None:
+    def _warn_errors(self, stacklevel: int) -> None:
+        """Warn the errors not warned yet, pointing ``stacklevel`` frames up."""
         for e in self.errors[self._warned:]:
-            warnings.warn(str(e), CheckpointWarning, stacklevel=3)
+            warnings.warn(str(e), CheckpointWarning, stacklevel=stacklevel)
         self._warned = len(self.errors)
 
     # ---------------------------------------------------------- memory tier
@@ -531,7 +532,7 @@ class CheckpointManager:
         outcome known), never for a persist."""
         self._wait_in_flight()
         self._wait_memory(persists=False)
-        self._warn_errors()
+        self._warn_errors(stacklevel=4)  # the caller of save
         self._raise_corruption()
         assert self._snapshots is not None and self._tier is not None
         composed = self._compose(step, state, metrics)
