@@ -23,9 +23,9 @@
    while it runs.  One persist runs at a time (a later one waits for it),
    and the step it reads is pinned on its host until it ends
    (:meth:`HostStore.pin`); while a pinned step is older than the previous
-   one, a new step's staging first releases the previous step's files on
-   its rank, so a host holds at most two steps' own bytes and one set of
-   copies (docs/recovery.md, Memory).
+   one, the previous step gives way before a new one is staged (it stops
+   counting on the host, then its files go), so a host holds at most two
+   steps' own bytes and one set of copies (docs/recovery.md, Memory).
 """
 
 from __future__ import annotations
