@@ -16,7 +16,8 @@ step every step and a persistent one every ``--persist``.  ``--flip-at K``:
 rank 1 flips one bit of the replicated tensor before step K's save (silent
 data corruption).  ``--kill-in-replication K``: rank 1 kills itself with
 SIGKILL as step K's memory step starts sending its copies to the other host
-(the launcher then kills the rest, as torchrun does).  ``--sample-memory``:
+(the launcher then kills the rest, as torchrun does); every rank first waits
+for the persist in flight, so step K-1 is the newest whole step.  ``--sample-memory``:
 rank 0 samples the bytes its host's namespace holds (allocated blocks of
 every file) every millisecond while training, and reports the peak and the
 bytes once the last step committed.  Each rank writes one JSON object per event
@@ -184,6 +185,8 @@ def main() -> None:
             sampler.start()
         for step in range(args.steps[0], args.steps[1] + 1):
             set_step(state, rank, world, step)
+            if args.kill_in_replication == step:
+                mgr.wait()  # the persist in flight ended: the kill leaves the previous step whole
             if args.flip_at == step and rank == 1:
                 state["model"]["rep"].view(torch.int32)[7, 3] ^= 1 << 5
             try:

@@ -236,3 +236,62 @@ def test_more_replicas_than_other_hosts_is_warned_and_the_step_restores(ctx):
         assert mgr.last_restore is not None and mgr.last_restore.bytes_persistent == 0
         assert torch.equal(target["w"].data, mine), (target, mine)
         mgr.close()
+
+
+@dist_scenario(world_size=2)
+def test_the_next_memory_saves_commit_while_the_previous_step_persists(ctx):
+    """Hosts h0 and h1, one rank each.  Step 2 is persisted to a root whose
+    every file write first waits 1 s (``faulty://``: a timeout fault, then
+    the retry goes through; the data files, then the records file: at least
+    2 s in a row); memory step 3 is saved and commits while that
+    persist still runs, step 2 staying pinned in host memory beside it; step
+    4 too, step 3 giving way (dropped: two steps on a host); ``wait`` waits
+    for the persist.  Then memory step 4 and persistent step 2 load
+    element-exact."""
+    import torch
+
+    host = f"h{ctx.rank}"
+    tier = dcp.MemoryTier(host=host, namespace=str(ctx.dir / "shm" / host), run_id="job",
+                          timeout=60)
+    root = ctx.dir / "root"
+    slow = {"faults": ["timeout"], "rate": 1.0, "max_consecutive": 1, "delay_s": 1.0}
+    mgr = dcp.CheckpointManager(f"faulty://{root}", save_policy=dcp.SpecificSteps([2]),
+                                async_save=False, save_rng=False, memory=tier,
+                                storage_options=slow)
+
+    def values(step: int):
+        return torch.arange(8, dtype=torch.float32) + 10 * ctx.rank + step
+
+    def state(step: int) -> dict:
+        return {"w": dcp.TensorShard(values(step), (16,), (8 * ctx.rank,))}
+
+    assert mgr.save(1, state(1)) and mgr.save(2, state(2))
+    persisting = mgr.last_memory_save
+    assert persisting is not None and persisting.step == 2 and persisting.persist
+    assert mgr.save(3, state(3))
+    third = mgr.last_memory_save
+    assert third is not None and third.step == 3
+    assert third.committed.wait(30) and third.error is None, third.error
+    # step 3 committed, step 2's persist (2 s of writes at least) still running
+    assert not persisting.done.is_set() and persisting.committed.is_set()
+    assert mgr.memory_steps() == [2, 3], mgr.memory_steps()  # 2 pinned
+    assert 2 not in mgr.persistent_steps()
+    # step 4 while 2 still persists: step 3 gives way (the host holds two steps)
+    assert mgr.save(4, state(4))
+    fourth = mgr.last_memory_save
+    assert fourth is not None and fourth.committed.wait(30) and fourth.error is None
+    assert not persisting.done.is_set()
+    assert mgr.memory_steps() == [2, 4], mgr.memory_steps()
+    assert not (Path(tier.namespace) / "job" / "step-3").exists()
+    mgr.wait()
+    assert persisting.done.is_set() and persisting.persist_error is None, persisting
+    assert mgr.errors == [], mgr.errors
+    assert mgr.persistent_steps() == [2] and mgr.memory_steps() == [4]
+    target = {"w": dcp.TensorShard(torch.zeros(8), (16,), (8 * ctx.rank,))}
+    assert mgr.load_latest(target) == 4
+    assert mgr.last_restore is not None and mgr.last_restore.bytes_persistent == 0
+    assert torch.equal(target["w"].data, values(4)), target
+    persisted = {"w": dcp.TensorShard(torch.zeros(8), (16,), (8 * ctx.rank,))}
+    dcp.load(persisted, str(root / "step-2"))
+    assert torch.equal(persisted["w"].data, values(2)), persisted
+    mgr.close()

@@ -25,7 +25,9 @@ The phases, in order, and where each decision lives:
 * **Memory tier** (``memory=MemoryTier(...)``, :mod:`dcp.recovery`): every
   ``memory.interval`` steps the state is staged into host shared memory and
   committed there in the background (copies on other hosts, SDC check); the
-  steps the save policy picks are then persisted from host memory.  A
+  steps the save policy picks are then persisted from host memory, while
+  the next memory steps go on (a memory save waits for the previous one's
+  commit, never for a persist; :meth:`CheckpointManager.wait` for both).  A
   resume first restores the newest memory step every rank can get complete
   (:mod:`dcp.recovery.restore`), unless a persistent step is newer; a step
   that cannot be restored on some rank sends every rank to an older one.
@@ -227,7 +229,8 @@ class CheckpointManager:
         self.memory = memory
         self._tier: TierGroup | None = None
         self._snapshots: Snapshotter | None = None
-        self._memory_save: MemorySave | None = None
+        self._memory_save: MemorySave | None = None  # the newest, its commit not yet waited
+        self._persists: list[MemorySave] = []  # committed, persisting or queued to
         #: where the last :meth:`load_latest` from the memory tier took its bytes
         self.last_restore: restore.RestoreReport | None = None
         #: the last memory step's stall and background seconds, on this rank
@@ -495,28 +498,42 @@ class CheckpointManager:
                 pass  # the save's failure is reported by wait()
 
     def wait(self) -> None:
-        """Wait for the save in flight (and its pointer move) and for
-        retention; a failed save is warned about (:class:`CheckpointWarning`)
-        and listed in :attr:`errors`, the newest complete step untouched."""
-        if self._in_flight is not None:
-            step, _response, done = self._in_flight
-            done.wait()
-            self._in_flight = None
-        self._wait_memory()
+        """Wait for the save in flight (and its pointer move), the memory
+        step in flight and its persist, and for retention; a failed save is
+        warned about (:class:`CheckpointWarning`) and listed in
+        :attr:`errors`, the newest complete step untouched."""
+        self._wait_in_flight()
+        self._wait_memory(persists=True)
         with self._lock:
             retention = self._retention
         if retention is not None:
             retention.join()
-        for e in self.errors[self._warned:]:
-            warnings.warn(str(e), CheckpointWarning, stacklevel=2)
-        self._warned = len(self.errors)
+        self._warn_errors(stacklevel=3)
         self._raise_corruption()
+
+    def _wait_in_flight(self) -> None:
+        if self._in_flight is not None:
+            step, _response, done = self._in_flight
+            done.wait()
+            self._in_flight = None
+
+    def _warn_errors(self, stacklevel: int) -> None:
+        """Warn the errors not warned yet, pointing ``stacklevel`` frames up."""
+        for e in self.errors[self._warned:]:
+            warnings.warn(str(e), CheckpointWarning, stacklevel=stacklevel)
+        self._warned = len(self.errors)
 
     # ---------------------------------------------------------- memory tier
     def _save_memory(self, step: int, state: dict, metrics: dict | None, persist: bool) -> None:
         """Memory step ``step``: staged now, committed in the background;
-        with ``persist``, then written from host memory to the root."""
-        self.wait()  # one memory step in flight, and its outcome known
+        with ``persist``, then written from host memory to the root, beside
+        the next memory steps.  Waits for the async save in flight and the
+        previous memory step's commit (one memory step in flight, its
+        outcome known), never for a persist."""
+        self._wait_in_flight()
+        self._wait_memory(persists=False)
+        self._warn_errors(stacklevel=4)  # the caller of save
+        self._raise_corruption()
         assert self._snapshots is not None and self._tier is not None
         composed = self._compose(step, state, metrics)
         self._last_saved = step
@@ -529,7 +546,7 @@ class CheckpointManager:
             view = persist_view(tier, saved, info)
             name = NamePointer(self.root, saved, self.storage_options)
             try:
-                sync_save(view, self.step_uri(saved), process_group=tier.group,
+                sync_save(view, self.step_uri(saved), process_group=tier.persist_group,
                           storage_options=self.storage_options, before_commit=name)
             except CheckpointError as e:
                 raise CheckpointError(f"step {saved}: persisting the memory step to "
@@ -540,17 +557,28 @@ class CheckpointManager:
                                                   persist_step if persist else None)
         self.last_memory_save = self._memory_save
 
-    def _wait_memory(self) -> None:
+    def _wait_memory(self, persists: bool) -> None:
+        """Wait for the memory step in flight to commit (its failure
+        recorded) and, with ``persists``, for every persist to end; the
+        failures of the persists that ended are recorded either way."""
         ms, self._memory_save = self._memory_save, None
-        if ms is None:
-            return
-        ms.wait()
-        if ms.error is None:
-            return
-        if isinstance(ms.error, SilentDataCorruptionError):
-            self._corruption = ms.error
-        else:
-            self.errors.append(CheckpointError(f"step {ms.step}: {ms.error}"))
+        if ms is not None:
+            ms.committed.wait()
+            if isinstance(ms.error, SilentDataCorruptionError):
+                self._corruption = ms.error
+            elif ms.error is not None:
+                self.errors.append(CheckpointError(f"step {ms.step}: {ms.error}"))
+            elif ms.persist:
+                self._persists.append(ms)
+        running = []
+        for p in self._persists:
+            if persists:
+                p.wait()
+            if not p.done.is_set():
+                running.append(p)
+            elif p.persist_error is not None:
+                self.errors.append(CheckpointError(f"step {p.step}: {p.persist_error}"))
+        self._persists = running
 
     def _raise_corruption(self) -> None:
         """A memory save's SDC error: to the tier's hook, else raised here."""

@@ -8,7 +8,9 @@ and each rank's bytes sit in a data file of its own.  What this host holds
 of it is listed per rank in ``held.r<rank>.json`` (chunk ids, file, byte
 offsets): its own ranks' chunks and the copies it keeps for other hosts.
 ``COMMITTED`` (written last, by an atomic rename) makes the step count on
-this host; ``BAD`` marks one that failed to restore twice.  Layout::
+this host; ``BAD`` marks one that failed to restore twice.  A step being
+persisted is *pinned* in the processes persisting it (:meth:`HostStore.pin`):
+dropping older steps passes over it until it is unpinned.  Layout::
 
     <namespace>/<run_id>/step-<N>/{metadata.json, r00003.data, r00003-copies.data,
                                    held.r00003.json, failures, COMMITTED}
@@ -26,6 +28,7 @@ import json
 import mmap
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +95,8 @@ class HostStore:
     def __init__(self, namespace: Path, run_id: str, host: str) -> None:
         self.root = Path(namespace) / run_id
         self.host = host
+        self._pinned: set[int] = set()
+        self._lock = threading.Lock()
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -139,6 +144,12 @@ class HostStore:
     def commit(self, step: int) -> None:
         _atomic_write(self.step_dir(step) / COMMITTED, b"")
 
+    def retract(self, step: int) -> None:
+        """``step`` no longer counts on this host (its ``COMMITTED`` removed):
+        its files may go after, and the next commit drops its folder."""
+        with contextlib.suppress(FileNotFoundError):
+            (self.step_dir(step) / COMMITTED).unlink()
+
     def release(self, step: int, rank: int, files: tuple[str, ...]) -> None:
         """Rank ``rank`` stops holding ``files`` of ``step``: its held list
         loses them first (atomically), then they are deleted, so the step
@@ -160,10 +171,31 @@ class HostStore:
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def drop_except(self, keep: set[int]) -> None:
-        """Delete every step folder not in ``keep`` (older and half-written ones)."""
-        for s in self.steps(committed=False):
-            if s not in keep:
-                self.drop(s)
+        """Delete every step folder not in ``keep`` nor pinned (older and
+        half-written ones)."""
+        with self._lock:
+            for s in self.steps(committed=False):
+                if s not in keep and s not in self._pinned:
+                    self.drop(s)
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        """The steps this process is persisting (kept by :meth:`drop_except`)."""
+        with self._lock:
+            return frozenset(self._pinned)
+
+    def pin(self, step: int) -> None:
+        """Keep ``step`` from :meth:`drop_except` until :meth:`unpin`."""
+        with self._lock:
+            self._pinned.add(step)
+
+    def unpin(self, step: int, drop: bool) -> None:
+        """Stop keeping ``step``; with ``drop`` (the host's leader), delete it
+        if a newer step committed meanwhile (the drop it was kept from)."""
+        with self._lock:
+            self._pinned.discard(step)
+            if drop and any(s > step for s in self.steps()):
+                self.drop(step)
 
     def usage_committed(self, exclude: int) -> int:
         """Bytes the committed steps of this run other than ``exclude`` hold

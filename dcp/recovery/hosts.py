@@ -1,7 +1,9 @@
-"""The ranks of a job as the memory tier sees them: its own gloo group (the
-memory saves' transfers run in the background on it, apart from training's
-collectives), the host of every rank, each host's failure domain and this
-host's :class:`~dcp.recovery.host_store.HostStore`.
+"""The ranks of a job as the memory tier sees them: its own gloo groups (the
+memory saves' transfers run in the background on one, apart from training's
+collectives; a persist of a memory step to the persistent tier on the
+other, so it runs beside the next memory saves), the host of every rank,
+each host's failure domain and this host's
+:class:`~dcp.recovery.host_store.HostStore`.
 
 Identity is the run id and the hosts' names, never process ids or rank
 numbers: a restarted job may put other ranks on a host, or come back at
@@ -35,8 +37,10 @@ class TierGroup:
         self.host = tier.host_name
         ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
                  else list(range(dist.get_world_size())))
-        self.group = dist.new_group(ranks, backend="gloo",
-                                    timeout=datetime.timedelta(seconds=tier.timeout))
+        timeout = datetime.timedelta(seconds=tier.timeout)
+        self.group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        #: the persists' group: a persist never interleaves with a memory step
+        self.persist_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         names: list = [None] * self.world_size

@@ -16,9 +16,16 @@
    target's copies file and checked against the writer's CRC-32C; each
    rank's ``held`` list; an agreement that every rank succeeded; then each
    host's leader writes the step's metadata and ``COMMITTED`` and drops
-   the host's older steps.  Optionally the step is then persisted
-   (:func:`persist`): written from host memory to the persistent tier with
-   :func:`dcp.save`, each chunk once.
+   the host's older steps.  Optionally the step is then persisted: written
+   from host memory (:func:`persist_view`) to the persistent tier with
+   :func:`dcp.save`, each chunk once, on the tier's second gloo group
+   (``persist_group``), so the next memory steps stage, replicate and commit
+   while it runs.  One persist runs at a time (a later one waits for it),
+   and the step it reads is pinned on its host until it ends
+   (:meth:`HostStore.pin`); while a pinned step is older than the previous
+   one, the previous step gives way before a new one is staged (it stops
+   counting on the host, then its files go), so a host holds at most two
+   steps' own bytes and one set of copies (docs/recovery.md, Memory).
 """
 
 from __future__ import annotations
@@ -161,17 +168,24 @@ def build_layout(g: TierGroup, key: tuple, gathered: list[tuple]) -> Layout:
 
 @dataclass
 class MemorySave:
-    """One memory step in flight: ``done`` is set once it committed or
-    failed (``error``); ``stall_s`` is what the caller waited for."""
+    """One memory step in flight: ``committed`` is set once it committed or
+    failed (``error``); ``done`` once its background work ended, its
+    persist included (``persist_error``: the persist failed).
+    ``stall_s`` is what the caller waited for (seconds), ``seconds`` the
+    time from the call to ``committed``."""
 
     step: int
+    persist: bool = False
+    committed: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     error: CheckpointError | None = None
+    persist_error: CheckpointError | None = None
     stall_s: float = 0.0
     seconds: float = 0.0
     thread: threading.Thread | None = None
 
     def wait(self) -> None:
+        """Until ``done``."""
         if self.thread is not None:
             self.thread.join()
 
@@ -186,16 +200,22 @@ class Snapshotter:
     def __init__(self, g: TierGroup) -> None:
         self.g = g
         self.layout: Layout | None = None
+        self._persisting: MemorySave | None = None  # the newest step with a persist
 
     # -------------------------------------------------------- caller's thread
     def start(self, step: int, state: dict,
               after_commit: Callable[[int, dict], None] | None = None) -> MemorySave:
         """Stage ``state`` as memory step ``step`` and commit it in the
         background; ``after_commit(step, persist_state)`` runs there once it
-        committed (persisting it).  Collective over the tier's group."""
+        committed (persisting it), after the previous persist ended.  The
+        caller must wait for the previous step's ``committed`` first.
+        Collective over the tier's group."""
         t0 = time.perf_counter()
         g = self.g
-        ms = MemorySave(step)
+        ms = MemorySave(step, persist=after_commit is not None)
+        previous_persist = self._persisting
+        if after_commit is not None:
+            self._persisting = ms
         failure: str | None = None
         key: tuple | None = None
         try:
@@ -234,6 +254,7 @@ class Snapshotter:
                         f"{have + layout.host_bytes} bytes ({have} held, {layout.host_bytes} "
                         f"for this step) over MemoryTier(host_bytes={g.tier.host_bytes}); the "
                         f"save is refused, the newest memory step is kept")
+            self._give_way(step)
             store.begin(step)
             own = store.stage(step, own_file(g.rank), layout.own_bytes)
             staged.append(own)
@@ -273,20 +294,41 @@ class Snapshotter:
         json_values = dict(described.json_values)
         ms.thread = threading.Thread(
             target=self._background, name=f"dcp-memory-step-{step}", daemon=True,
-            args=(ms, layout, staged, held_crc, blobs, json_values, failure, after_commit, t0))
+            args=(ms, layout, staged, held_crc, blobs, json_values, failure, after_commit,
+                  previous_persist, t0))
         ms.thread.start()
         return ms
+
+    def _give_way(self, step: int) -> None:
+        """While a persist pins a step older than the previous committed one,
+        the previous step gives way before ``step`` is staged: it stops
+        counting on this host, then this rank's files of it are released.
+        The host then holds the pinned step, the new one and no third (the
+        memory bound); until ``step`` commits the pinned step is this host's
+        newest complete one (and stays so if ``step`` fails)."""
+        store, rank = self.g.store, self.g.rank
+        pinned = store.pinned
+        if not pinned:
+            return
+        # every folder: a rank of this host may have retracted it already
+        older = [s for s in store.steps(committed=False) if s < step and s not in pinned]
+        if older and older[-1] > max(pinned):
+            store.retract(older[-1])
+            store.release(older[-1], rank, (own_file(rank), copies_file(rank), blobs_file(rank),
+                                            blob_copies_file(rank)))
 
     # ------------------------------------------------------------ background
     def _background(self, ms: MemorySave, layout: Layout | None, staged: list[Staged],
                     held_crc: dict[int, int], blobs: list, json_values: dict[str, str],
-                    failure: str | None, after_commit, t0: float) -> None:
+                    failure: str | None, after_commit, previous_persist: MemorySave | None,
+                    t0: float) -> None:
         g, step = self.g, ms.step
+        persist_state: dict | None = None
         try:
             persist_state = self._commit(ms, layout, staged, held_crc, blobs, json_values,
                                          failure)
-            if after_commit is not None and persist_state is not None:
-                after_commit(step, persist_state)
+            if after_commit is not None:
+                g.store.pin(step)  # before the next step may commit and drop it
         except CheckpointError as e:
             ms.error = e
         except Exception as e:  # a peer gone, a timeout: the step does not count
@@ -295,7 +337,29 @@ class Snapshotter:
             for s in staged:
                 s.close()
             ms.seconds = time.perf_counter() - t0
+            ms.committed.set()
+        try:
+            if after_commit is not None and persist_state is not None:
+                self._persist(ms, after_commit, persist_state, previous_persist)
+        finally:
             ms.done.set()
+
+    def _persist(self, ms: MemorySave, after_commit: Callable[[int, dict], None],
+                 persist_state: dict, previous: MemorySave | None) -> None:
+        """``after_commit`` once the previous persist ended; the step is
+        unpinned after (and dropped by the leader if a newer one committed)."""
+        g, step = self.g, ms.step
+        try:
+            if previous is not None:
+                previous.done.wait()
+            after_commit(step, persist_state)
+        except CheckpointError as e:
+            ms.persist_error = e
+        except Exception as e:  # a peer gone, a timeout: the persistent step does not count
+            ms.persist_error = CheckpointError(f"{g.store.where(step)}: persisting it: "
+                                               f"{type(e).__name__}: {e}")
+        finally:
+            g.store.unpin(step, drop=g.leader)
 
     def _commit(self, ms: MemorySave, layout: Layout | None, staged: list[Staged],
                 held_crc: dict[int, int], blobs: list, json_values: dict[str, str],
