@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dist_harness import SessionGroups
+from dist_harness import _REGISTRY, SessionGroups
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two test processes share the 2 cores CI has: one thread each, or their
@@ -21,11 +21,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.hookimpl(tryfirst=True)  # before xdist names the groups
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (``--dist loadgroup``), every test that needs the
-    spawned groups runs in one worker, so each group is spawned once per run
-    (the groups of a session share ``ctx.shared`` across phases)."""
+    spawned groups of one chain runs in one worker, so each group is spawned
+    once per run (a chain's groups share ``ctx.shared`` across phases)."""
     for item in items:
         if "dist_groups" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("dist_groups"))
+            fn = getattr(item, "function", None)
+            reg = _REGISTRY.get(f"{fn.__module__}:{fn.__qualname__}") if fn else None
+            item.add_marker(pytest.mark.xdist_group(f"dist_{reg.chain if reg else 'main'}"))
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +43,10 @@ def pytest_terminal_summary(terminalreporter, config):
     if not config.getoption("durations", None):
         return
     for groups in SessionGroups.instances:
-        for (ws, phase), res in sorted(groups.results.items(), key=lambda kv: -kv[1].secs):
+        for (chain, ws, phase), res in sorted(groups.results.items(),
+                                              key=lambda kv: -kv[1].secs):
             terminalreporter.write_line(
-                f"[group] world_size={ws} phase={phase}: {res.secs:.1f}s "
+                f"[group] {chain} world_size={ws} phase={phase}: {res.secs:.1f}s "
                 f"(imports + init {res.ready_secs:.1f}s)")
             for row in sorted(res.summary().splitlines(),
                               key=lambda r: -float(r.split()[1].rstrip("s")))[:8]:

@@ -93,6 +93,7 @@ class _Registered:
     phase: int
     last: bool
     order: int
+    chain: str = "main"
 
 
 _REGISTRY: dict[str, _Registered] = {}
@@ -102,17 +103,20 @@ def _key_of(fn: Callable) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
-def dist_scenario(world_size: int, *, phase: int = DEFAULT_PHASE, last: bool = False):
+def dist_scenario(world_size: int, *, phase: int = DEFAULT_PHASE, last: bool = False,
+                  chain: str = "main"):
     """Register ``fn(ctx)`` to run in the shared ``world_size`` group of ``phase``
     and return a pytest test (same name) that reports its outcome.
 
     ``last=True`` schedules the scenario after the others of its group (use it
     for failure-injection scenarios, which are the likeliest to disturb the
-    group if the library misbehaves)."""
+    group if the library misbehaves).  ``chain``: phases order the groups of
+    one chain only; groups of different chains share nothing and may run in
+    different pytest-xdist workers at once."""
 
     def deco(fn: Callable):
         key = _key_of(fn)
-        _REGISTRY[key] = _Registered(key, fn, world_size, phase, last, len(_REGISTRY))
+        _REGISTRY[key] = _Registered(key, fn, world_size, phase, last, len(_REGISTRY), chain)
 
         def test(dist_groups):
             dist_groups.check(key)
@@ -391,9 +395,9 @@ def run_group(
 
 
 class SessionGroups:
-    """Lazily runs every registered ``(world_size, phase)`` group once per session,
-    in ascending phase order (all groups of a lower phase run before any group of
-    a higher one)."""
+    """Lazily runs every registered ``(chain, world_size, phase)`` group once per
+    session, in ascending phase order within its chain (all groups of a lower
+    phase of a chain run before any group of a higher one)."""
 
     instances: list[SessionGroups] = []  # this session's, for the durations summary
 
@@ -401,38 +405,38 @@ class SessionGroups:
         SessionGroups.instances.append(self)
         self.base = Path(base)
         self.shared = self.base / "shared"
-        self.results: dict[tuple[int, int], GroupResult] = {}
+        self.results: dict[tuple[str, int, int], GroupResult] = {}
 
-    def _groups(self) -> dict[tuple[int, int], list[_Registered]]:
-        groups: dict[tuple[int, int], list[_Registered]] = collections.defaultdict(list)
+    def _groups(self) -> dict[tuple[str, int, int], list[_Registered]]:
+        groups: dict[tuple[str, int, int], list[_Registered]] = collections.defaultdict(list)
         for reg in _REGISTRY.values():
-            groups[(reg.world_size, reg.phase)].append(reg)
+            groups[(reg.chain, reg.world_size, reg.phase)].append(reg)
         for regs in groups.values():
             regs.sort(key=lambda r: (r.last, r.order))
         return groups
 
-    def _run(self, gid: tuple[int, int], regs: list[_Registered]) -> None:
+    def _run(self, gid: tuple[str, int, int], regs: list[_Registered]) -> None:
         if gid in self.results:
             return
-        ws, phase = gid
+        chain, ws, phase = gid
         res = run_group(
             ws,
             [r.key for r in regs],
-            self.base / f"w{ws}_phase{phase}",
+            self.base / f"{chain}_w{ws}_phase{phase}",
             shared=self.shared,
         )
         self.results[gid] = res
         sys.stderr.write(
-            f"\n[dist_harness] world_size={ws} phase={phase}: {res.secs:.1f}s "
+            f"\n[dist_harness] {chain} world_size={ws} phase={phase}: {res.secs:.1f}s "
             f"(imports + init {res.ready_secs:.1f}s)\n{res.summary()}\n"
         )
 
     def check(self, key: str) -> None:
         reg = _REGISTRY[key]
         groups = self._groups()
-        for gid in sorted(groups, key=lambda g: (g[1], g[0])):
-            if gid[1] < reg.phase:
+        for gid in sorted(groups, key=lambda g: (g[2], g[1])):
+            if gid[0] == reg.chain and gid[2] < reg.phase:
                 self._run(gid, groups[gid])
-        gid = (reg.world_size, reg.phase)
+        gid = (reg.chain, reg.world_size, reg.phase)
         self._run(gid, groups[gid])
         self.results[gid].check(key)

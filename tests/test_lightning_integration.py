@@ -26,7 +26,7 @@ from helpers import assert_same_state, from_rank0  # noqa: E402
 RESUMED = "lightning-resumed.pt"  # the state at the end of the 2-rank resume
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_lightning_fit_then_resume_last_and_from_s3_exactly_w2(ctx):
     """fit to step 4 with ModelCheckpoint (every 2 steps, save_last): step 2's
     checkpoint removed once step 4's is saved, last.ckpt a hyperdcp
@@ -56,7 +56,7 @@ def test_lightning_fit_then_resume_last_and_from_s3_exactly_w2(ctx):
         torch.save(resumed.end, ctx.shared / RESUMED)
 
 
-@dist_scenario(world_size=1, phase=4)
+@dist_scenario(world_size=1, phase=4, chain="trainers")
 def test_lightning_resumes_last_at_another_world_size_w1(ctx):
     """The 2-rank run's last.ckpt (step 6) resumed by fit(ckpt_path="last")
     on one rank: the state exact, both ranks' shards in one."""
@@ -68,7 +68,7 @@ def test_lightning_resumes_last_at_another_world_size_w1(ctx):
     assert resumed.end["global_step"] == 8
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_lightning_own_checkpoint_needs_trust_w2(ctx):
     """A checkpoint of Lightning's own ModelParallelStrategy (PyTorch DCP and
     meta.pt) is refused, naming load_torch_dcp; with it, it loads exactly."""

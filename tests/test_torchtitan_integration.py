@@ -40,7 +40,7 @@ def _dump(ctx, step: int) -> dict:
     return torch.load(ctx.shared / f"{FIRST}.dump-{step}.pt", weights_only=True)
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_torchtitan_job_killed_then_resumed_exactly_w2(ctx):
     """A 2-rank job (async_with_pinned_mem, a save every 2 steps) SIGKILLed,
     trainers and background savers, after step 5: resumed here on 2 ranks
@@ -76,7 +76,7 @@ def test_torchtitan_job_killed_then_resumed_exactly_w2(ctx):
             {"from": step, "losses": dict(zip(range(step + 1, 8), losses, strict=True))}))
 
 
-@dist_scenario(world_size=1, phase=4)
+@dist_scenario(world_size=1, phase=4, chain="trainers")
 def test_torchtitan_resumes_at_another_world_size_w1(ctx):
     """The killed 2-rank job's folder (copied before any resume) resumed on
     one rank: the same step, the state exact (the FSDP shards of both ranks
@@ -95,7 +95,7 @@ def test_torchtitan_resumes_at_another_world_size_w1(ctx):
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_torchtitan_own_checkpoint_loads_after_conversion_w2(ctx):
     """Steps written by torchtitan's own CheckpointManager (PyTorch DCP): a
     folder holding only them is refused, naming the conversion; converted
@@ -151,7 +151,7 @@ def _model(job) -> dict:
     return job.full_state()["model"]
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_torchtitan_fields_keep_their_meaning_w2(ctx):
     """Synchronous saves, every field: enable_first_step_checkpoint, interval,
     keep_latest_k with keep_every_n_steps (retention), last_save_model_only
@@ -211,7 +211,7 @@ def test_torchtitan_fields_keep_their_meaning_w2(ctx):
         titan_job.Job(folder, exclude_from_loading=["rng"])
 
 
-@dist_scenario(world_size=2, phase=3)
+@dist_scenario(world_size=2, phase=3, chain="trainers")
 def test_torchtitan_folder_on_s3_w2(ctx):
     """checkpoint.folder an s3:// URI with storage_options (moto): a step
     saved there resumes exactly."""
@@ -229,7 +229,7 @@ def test_torchtitan_folder_on_s3_w2(ctx):
     assert_same_state(job.full_state(), torch.load(ctx.dir / "s3.dump-2.pt", weights_only=True))
 
 
-@dist_scenario(world_size=1, phase=4)
+@dist_scenario(world_size=1, phase=4, chain="trainers")
 def test_torchtitan_seed_checkpoint_and_model_only_initial_load_w1(ctx):
     """create_seed_checkpoint (torchtitan's train.py calls save(0,
     last_step=True) on one rank): step 0 holds the model only; a run there
