@@ -266,7 +266,9 @@ def test_torchtitan_memory_tier_resumes_from_the_newest_tier_w1(ctx):
     memory holds step 4 and the folder step 3; the resume restores step 4
     from host memory, its state exact and step 5's loss bit-identical.
     load_step=3 is refused while memory step 4 is newer (load_only loads
-    it); create_seed_checkpoint with the memory tier is refused."""
+    it); create_seed_checkpoint with the memory tier is refused; and over a
+    seed checkpoint (step 0, persistent) a run with the memory tier starts
+    from the seed, then resumes from its newest memory step, exactly."""
     import titan_job
 
     folder = str(ctx.dir / "memory-run")
@@ -296,4 +298,20 @@ def test_torchtitan_memory_tier_resumes_from_the_newest_tier_w1(ctx):
 
     with pytest.raises(dcp.CheckpointError,
                        match=r"create_seed_checkpoint with checkpoint\.memory_interval=1"):
-        titan_job.Job(str(ctx.dir / "seed-memory"), create_seed_checkpoint=True, **memory)
+        titan_job.Job(str(ctx.dir / "seeded"), create_seed_checkpoint=True, **memory)
+
+    # a seed checkpoint (persistent step 0, the model only) and newer memory steps
+    seeded = str(ctx.dir / "seeded")
+    job = titan_job.Job(seeded, create_seed_checkpoint=True)
+    assert job.checkpointer.save(curr_step=0, last_step=True)
+    job.checkpointer.close()
+    memory.update(interval=10, memory_namespace=str(ctx.dir / "shm-seeded"))
+    job = titan_job.Job(seeded, **memory)
+    assert job.resume() == 0  # the seed, model only: no memory step yet
+    job.train(3, dump=seeded)
+    job.checkpointer.close()
+    assert job.checkpointer.manager.steps() == [0, 2]
+    job = titan_job.Job(seeded, **memory)
+    assert job.resume() == 2
+    assert_same_state(job.full_state(), torch.load(f"{seeded}.dump-2.pt", weights_only=True))
+    job.checkpointer.close()
