@@ -22,10 +22,14 @@ model's fqns at the top level, ``optimizer``, ``lr_scheduler``,
 ``<folder>/step-<N>``, with the manager's ``_manager`` entries (each rank's
 RNG states) beside them.  Each field of torchtitan's config keeps its
 meaning (the table: docs/integrations.md); ``initial_load_in_hf_quantized``
-is refused.  Steps torchtitan's own checkpointer wrote (PyTorch DCP) are
-converted once (``hyperdcp convert --trust-pickle``) and loaded as the
-``initial_load_path``; a folder that holds only such steps is refused, so a
-run never starts afresh beside them nor has its retention delete them.
+is refused.  The ``memory_*`` fields give the manager a :class:`dcp.MemoryTier`
+(docs/recovery.md): a resume then takes the newest step of either tier,
+through :meth:`dcp.CheckpointManager.load_latest`, and a seed checkpoint
+(persistent by nature) is refused with it.  Steps torchtitan's own
+checkpointer wrote (PyTorch DCP) are converted once (``hyperdcp convert
+--trust-pickle``) and loaded as the ``initial_load_path``; a folder that
+holds only such steps is refused, so a run never starts afresh beside them
+nor has its retention delete them.
 """
 
 from __future__ import annotations
