@@ -85,13 +85,15 @@ def _agreed(decide: Callable[[], _T]) -> _T:
 class CheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpointer contract on :class:`dcp.CheckpointManager`
     (module doc): steps under ``folder`` (any storage URI, S3 included),
-    hyperdcp's async saves, retention and RNG states.  Built by torchtitan's
+    hyperdcp's async saves, retention, RNG states and, with
+    ``memory_interval``, the memory tier.  Built by torchtitan's
     trainer from :class:`CheckpointManager.Config`; every rank builds it and
     calls it at the same steps.
 
     Raises:
         dcp.CheckpointError: a refused field or combination (naming the
-            field), a step that is not complete, a folder holding only
+            field), a step that is not complete, a ``load_step`` older
+            than the newest step of either tier, a folder holding only
             torchtitan's own (PyTorch DCP) steps, and every failure of a
             save or load (on every rank).
     """
