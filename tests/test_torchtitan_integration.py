@@ -257,3 +257,61 @@ def test_torchtitan_seed_checkpoint_and_model_only_initial_load_w1(ctx):
         assert moments and not any(v.any() for v in moments)  # no step taken
         job.train(1)
         job.checkpointer.close()
+
+
+@dist_scenario(world_size=1, phase=4)
+def test_torchtitan_memory_tier_resumes_from_the_newest_tier_w1(ctx):
+    """The memory tier from the config's memory_* fields (a memory step every
+    step, a persistent one every 3): after 5 steps (the last exported) host
+    memory holds step 4 and the folder step 3; the resume restores step 4
+    from host memory, its state exact and step 5's loss bit-identical.
+    load_step=3 is refused while memory step 4 is newer (load_only loads
+    it); create_seed_checkpoint with the memory tier is refused; and over a
+    seed checkpoint (step 0, persistent) a run with the memory tier starts
+    from the seed, then resumes from its newest memory step, exactly."""
+    import titan_job
+
+    folder = str(ctx.dir / "memory-run")
+    memory = {"memory_interval": 1, "memory_host": "h0",
+              "memory_namespace": str(ctx.dir / "shm"), "interval": 3}
+    job = titan_job.Job(folder, **memory)
+    assert job.resume() == 0
+    losses = job.train(5, dump=str(ctx.dir / "memory-run"))
+    job.checkpointer.close()
+    manager = job.checkpointer.manager
+    assert manager.persistent_steps() == [3] and manager.memory_steps() == [4]
+
+    with pytest.raises(dcp.CheckpointError, match=r"load_step=3: memory step 4 .* is newer"):
+        titan_job.Job(folder, load_step=3, **memory).resume()
+    job = titan_job.Job(folder, load_step=3, load_only=True, **memory)
+    assert job.resume() == 3
+    job.checkpointer.close()
+    job = titan_job.Job(folder, **memory)
+    assert job.resume() == 4
+    report = job.checkpointer.manager.last_restore
+    assert report is not None and report.step == 4 and report.bytes_own_host > 0
+    assert report.bytes_persistent == 0
+    assert_same_state(job.full_state(),
+                      torch.load(ctx.dir / "memory-run.dump-4.pt", weights_only=True))
+    assert job.train(6)[0].hex() == losses[-1].hex()  # step 5 again
+    job.checkpointer.close()
+
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"create_seed_checkpoint with checkpoint\.memory_interval=1"):
+        titan_job.Job(str(ctx.dir / "seeded"), create_seed_checkpoint=True, **memory)
+
+    # a seed checkpoint (persistent step 0, the model only) and newer memory steps
+    seeded = str(ctx.dir / "seeded")
+    job = titan_job.Job(seeded, create_seed_checkpoint=True)
+    assert job.checkpointer.save(curr_step=0, last_step=True)
+    job.checkpointer.close()
+    memory.update(interval=10, memory_namespace=str(ctx.dir / "shm-seeded"))
+    job = titan_job.Job(seeded, **memory)
+    assert job.resume() == 0  # the seed, model only: no memory step yet
+    job.train(3, dump=seeded)
+    job.checkpointer.close()
+    assert job.checkpointer.manager.steps() == [0, 2]
+    job = titan_job.Job(seeded, **memory)
+    assert job.resume() == 2
+    assert_same_state(job.full_state(), torch.load(f"{seeded}.dump-2.pt", weights_only=True))
+    job.checkpointer.close()

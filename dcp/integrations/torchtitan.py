@@ -22,10 +22,14 @@ model's fqns at the top level, ``optimizer``, ``lr_scheduler``,
 ``<folder>/step-<N>``, with the manager's ``_manager`` entries (each rank's
 RNG states) beside them.  Each field of torchtitan's config keeps its
 meaning (the table: docs/integrations.md); ``initial_load_in_hf_quantized``
-is refused.  Steps torchtitan's own checkpointer wrote (PyTorch DCP) are
-converted once (``hyperdcp convert --trust-pickle``) and loaded as the
-``initial_load_path``; a folder that holds only such steps is refused, so a
-run never starts afresh beside them nor has its retention delete them.
+is refused.  The ``memory_*`` fields give the manager a :class:`dcp.MemoryTier`
+(docs/recovery.md): a resume then takes the newest step of either tier,
+through :meth:`dcp.CheckpointManager.load_latest`, and a seed checkpoint
+(persistent by nature) is refused with it.  Steps torchtitan's own
+checkpointer wrote (PyTorch DCP) are converted once (``hyperdcp convert
+--trust-pickle``) and loaded as the ``initial_load_path``; a folder that
+holds only such steps is refused, so a run never starts afresh beside them
+nor has its retention delete them.
 """
 
 from __future__ import annotations
@@ -81,13 +85,15 @@ def _agreed(decide: Callable[[], _T]) -> _T:
 class CheckpointManager(BaseCheckpointManager):
     """torchtitan's checkpointer contract on :class:`dcp.CheckpointManager`
     (module doc): steps under ``folder`` (any storage URI, S3 included),
-    hyperdcp's async saves, retention and RNG states.  Built by torchtitan's
+    hyperdcp's async saves, retention, RNG states and, with
+    ``memory_interval``, the memory tier.  Built by torchtitan's
     trainer from :class:`CheckpointManager.Config`; every rank builds it and
     calls it at the same steps.
 
     Raises:
         dcp.CheckpointError: a refused field or combination (naming the
-            field), a step that is not complete, a folder holding only
+            field), a step that is not complete, a ``load_step`` older
+            than the newest step of either tier, a folder holding only
             torchtitan's own (PyTorch DCP) steps, and every failure of a
             save or load (on every rank).
     """
@@ -129,6 +135,39 @@ class CheckpointManager(BaseCheckpointManager):
         on every rank (:class:`dcp.FromFirstRank`); ``refuse``: such a
         resume raises."""
 
+        memory_interval: int = 0
+        """The memory tier (docs/recovery.md): a memory step in host shared
+        memory every this many steps, with copies on other hosts; the steps
+        ``interval`` picks are then persisted from host memory, and a resume
+        takes the newest step of either tier (0: no memory tier)."""
+
+        memory_replicas: int = 1
+        """Copies, on other hosts, of each chunk whose every holder is on
+        one host (chunks on two or more hosts cost nothing)."""
+
+        memory_domains: dict[str, str] = field(default_factory=dict)
+        """``{host: failure domain}`` (a rack); copies land in other
+        domains.  Hosts not named are each their own domain."""
+
+        memory_host: str = ""
+        """This rank's host identity ("": the machine's name)."""
+
+        memory_namespace: str = ""
+        """The folder in host shared memory holding the memory steps ("":
+        ``/dev/shm/hyperdcp-memory``)."""
+
+        memory_host_bytes: int = 0
+        """The most bytes (the step being saved included) the memory steps
+        of this run may hold on one host (0: no limit); a save over it is
+        refused, warned, and training goes on."""
+
+        memory_run_id: str = ""
+        """The run's identity under the namespace ("": derived from
+        ``folder``)."""
+
+        memory_timeout: float = 60.0
+        """Seconds a memory save's or restore's transfers wait for a peer."""
+
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
             for name, value, allowed in (("async_mode", self.async_mode, ASYNC_MODES),
@@ -139,12 +178,38 @@ class CheckpointManager(BaseCheckpointManager):
             if self.keep_every_n_steps < 0:
                 raise dcp.CheckpointError(f"checkpoint.keep_every_n_steps="
                                           f"{self.keep_every_n_steps}: 0 (none) or more")
+            for name, low in (("memory_interval", 0), ("memory_replicas", 0),
+                              ("memory_host_bytes", 0)):
+                if getattr(self, name) < low:
+                    raise dcp.CheckpointError(f"checkpoint.{name}={getattr(self, name)}: "
+                                              f"{low} or more")
+            if self.memory_timeout <= 0:
+                raise dcp.CheckpointError(f"checkpoint.memory_timeout={self.memory_timeout}: "
+                                          f"seconds, > 0")
+            if self.create_seed_checkpoint and self.memory_interval:
+                raise dcp.CheckpointError(
+                    f"checkpoint.create_seed_checkpoint with checkpoint.memory_interval="
+                    f"{self.memory_interval}: a seed checkpoint must be persistent, and the "
+                    f"memory tier keeps steps in host memory; create the seed with "
+                    f"memory_interval=0, then train with the memory tier")
             if self.initial_load_in_hf_quantized:
                 raise dcp.CheckpointError(
                     "checkpoint.initial_load_in_hf_quantized: quantized Hugging Face weights are "
                     "read through the model's own storage reader, which hyperdcp does not run; "
                     "load dequantized safetensors (initial_load_in_hf), or keep torchtitan's "
                     "CheckpointManager for that run")
+
+        def memory_tier(self) -> dcp.MemoryTier | None:
+            """The :class:`dcp.MemoryTier` the ``memory_*`` fields give
+            (``None`` with ``memory_interval=0``)."""
+            if not self.memory_interval:
+                return None
+            return dcp.MemoryTier(
+                interval=self.memory_interval, replicas=self.memory_replicas,
+                domains=dict(self.memory_domains) or None, host=self.memory_host or None,
+                namespace=self.memory_namespace or None,
+                host_bytes=self.memory_host_bytes or None, run_id=self.memory_run_id or None,
+                timeout=self.memory_timeout)
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[Any],
                  optimizers: Any, lr_schedulers: Any, states: dict[str, Any],
@@ -183,7 +248,8 @@ class CheckpointManager(BaseCheckpointManager):
             save_on_preemption=False, save_policy=decision, preservation=keep,
             save_rng=config.save_rng, rng_on_resize=rule() if rule is not None else None,
             data_parallel=dp, export_dtype=TORCH_DTYPE_MAP[config.export_dtype],
-            blocking_staging=config.async_mode != "async_with_pinned_mem")
+            blocking_staging=config.async_mode != "async_with_pinned_mem",
+            memory=config.memory_tier())
 
     @property
     def manager(self) -> dcp.CheckpointManager:
@@ -245,8 +311,8 @@ class CheckpointManager(BaseCheckpointManager):
 
     # -------------------------------------------------------------- load
     def _resume_point(self, step: int) -> tuple[int | None, int | None]:
-        """``(the step to load, the newest complete step)``; ``(None, None)``
-        for an initial load or a fresh start."""
+        """``(the step to load, the newest complete step)`` of the persistent
+        tier; ``(None, None)`` for an initial load or a fresh start."""
         latest = self._manager.latest_step()
         if step == -1:
             if latest is None:
@@ -260,7 +326,7 @@ class CheckpointManager(BaseCheckpointManager):
                         f"checkpoint.initial_load_model_only=False, in another "
                         f"checkpoint.folder")
             return latest, latest
-        complete = self._manager.steps()
+        complete = self._manager.persistent_steps()
         if step not in complete:
             raise dcp.CheckpointError(f"checkpoint.load_step={step}: {self.folder!r} holds no "
                                       f"complete step {step} (complete: {complete})")
@@ -282,14 +348,38 @@ class CheckpointManager(BaseCheckpointManager):
                       if (m := _STEP.fullmatch(name))
                       and os.path.isfile(os.path.join(self.folder, name, TORCH_METADATA_FILE)))
 
+    def _newest_in_memory(self) -> int | None:
+        """The newest memory step any host holds (``None``: none, or no
+        memory tier); collective with a memory tier.  Some host's copy may
+        not make it complete: the manager's restore decides that."""
+        if self._manager.memory is None:
+            return None
+        mine = max(self._manager.memory_steps(), default=None)
+        every: list[int | None] = [mine]
+        if dist.is_available() and dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        return max((s for s in every if s is not None), default=None)
+
     def _load(self, step: int = -1) -> bool:
         found, latest = _agreed(lambda: self._resume_point(step))
+        in_memory = self._newest_in_memory()
+        if step != -1 and in_memory is not None and in_memory > step \
+                and not self.config.load_only:
+            raise dcp.CheckpointError(
+                f"checkpoint.load_step={step}: memory step {in_memory} in host memory "
+                f"(checkpoint.memory_*) is newer, and saves must be newer than the newest "
+                f"step; leave load_step=-1 to resume from the newest step of either tier, or "
+                f"set load_only=True to only load step {step}")
+        if step == -1 and in_memory is not None and (found is None or in_memory > found):
+            found = in_memory  # the manager's restore takes it, or an older step
         if found is None:
             return self._initial_load()
         # step 0 is a seed checkpoint: the model only, as torchtitan loads it
         state = self._state(model_only=found == 0, exclude=self.config.exclude_from_loading)
-        if found == latest and found != 0:
-            # the manager's resume: RNG states, and corrupt steps passed over (warned about)
+        if found != 0 and found == max(latest or 0, in_memory or 0):
+            # the manager's resume, from the newest step of either tier: RNG states, and
+            # corrupt steps passed over (warned about); train_state holds the step loaded
             if self._manager.load_latest(state) is None:
                 return self._initial_load()
         else:
