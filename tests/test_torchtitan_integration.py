@@ -259,7 +259,7 @@ def test_torchtitan_seed_checkpoint_and_model_only_initial_load_w1(ctx):
         job.checkpointer.close()
 
 
-@dist_scenario(world_size=1, phase=4)
+@dist_scenario(world_size=1, phase=4, chain="trainers")
 def test_torchtitan_memory_tier_resumes_from_the_newest_tier_w1(ctx):
     """The memory tier from the config's memory_* fields (a memory step every
     step, a persistent one every 3): after 5 steps (the last exported) host
