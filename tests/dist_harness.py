@@ -41,9 +41,11 @@ import datetime
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -172,6 +174,12 @@ def _rank_main(rank: int, spec: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # the group's shared-memory exchange files in a folder of its own, so a
+    # scenario can assert none is left while another pytest-xdist worker's
+    # loads make theirs (the files and their fan-out are the real ones)
+    from dcp.coordination import host_exchange
+
+    host_exchange.SHM_ROOT = spec["shm_root"]
     world_size = spec["world_size"]
     pg_timeout = spec["pg_timeout"]
     # Ranks wait for each other between scenarios outside gloo; only the group
@@ -347,7 +355,9 @@ def run_group(
         shared=str(shared),
         pg_timeout=pg_timeout,
         group_timeout=group_timeout,
+        shm_root=f"/dev/shm/hyperdcp-test-{os.getpid()}-{uuid.uuid4().hex[:8]}",
     )
+    os.makedirs(spec["shm_root"], exist_ok=True)
 
     env_overrides = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if sys.platform.startswith("linux"):
@@ -384,6 +394,7 @@ def run_group(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        shutil.rmtree(spec["shm_root"], ignore_errors=True)
 
     outcomes, current, ready = _collect(results_dir, world_size, keys)
     if group_error and current:

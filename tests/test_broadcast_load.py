@@ -21,6 +21,7 @@ from torch.distributed.distributed_c10d import _world
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp
+from dcp.coordination import host_exchange
 from dcp.core.planner import LoadPlan, ReadItem
 from dist_harness import dist_scenario
 from planners.load import DefaultLoadPlanner
@@ -32,7 +33,7 @@ TRANSPORTS = [DefaultLoadPlanner(), DefaultLoadPlanner(replica_path="shared_memo
 
 def _exchange_files():
     """Files of the shared-memory fan-out left in /dev/shm (none may stay)."""
-    return glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*")
+    return glob.glob(f"{host_exchange.SHM_ROOT}/hyperdcp-" + "[0-9a-f]" * 32 + "-*")
 
 
 def _gather(value):

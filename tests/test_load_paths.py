@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dcp
 import s3_server
+from dcp.coordination import host_exchange
 from dcp.coordination.broadcast import Broadcaster
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, random_tensor
@@ -264,7 +265,7 @@ def test_regions_other_ranks_pull_are_copied_from_the_page_cache_as_they_arrive(
                        match=r"failed on rank 1.*reading chunk.*injected EIO in a page-cache"):
         dcp.load(target, ckpt, storage=_CacheFails(ckpt, 1))
     ctx.barrier()
-    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    assert glob.glob(f"{host_exchange.SHM_ROOT}/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
     # a data file cut short inside the last of its tensors: every rank names that one
     cut = str(ctx.dir / "cut")
     md = dcp.save(full, cut, storage=PosixStorage(cut, thread_count=1))  # one file a rank
@@ -407,7 +408,7 @@ def test_a_failing_reader_raises_on_every_rank_on_every_path(ctx):
             dcp.load(target, where, storage=make(), host=host,
                      planner=DefaultLoadPlanner(replica_path=path))
         ctx.barrier()
-        assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+        assert glob.glob(f"{host_exchange.SHM_ROOT}/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
     target = {k: torch.zeros_like(v) for k, v in full.items()}
     dcp.load(target, url, storage_options=options, host=host)
     for k, v in full.items():
@@ -422,7 +423,7 @@ def test_a_failing_reader_raises_on_every_rank_on_every_path(ctx):
     with pytest.raises(dcp.CheckpointError, match=r"failed on rank 2.*injected EIO"):
         dcp.load(target, sharded, storage=_FailingS3(sharded, 2, **options))
     ctx.barrier()
-    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    assert glob.glob(f"{host_exchange.SHM_ROOT}/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
     dcp.load(target, sharded, storage_options=options)
     for k, v in full.items():
         assert_dtensor_equals_full(target[k], v, k)
@@ -454,7 +455,7 @@ def test_a_load_whose_broadcasts_fail_joins_its_threads(ctx):
     assert left == [], left
     assert time.monotonic() - started < 30  # the exchange's waits are 1800 s
     ctx.barrier()
-    assert glob.glob("/dev/shm/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
+    assert glob.glob(f"{host_exchange.SHM_ROOT}/hyperdcp-" + "[0-9a-f]" * 32 + "-*") == []
     dcp.load(target, ckpt, host=host, planner=DefaultLoadPlanner(replica_path="shared_memory"))
     for k, v in full.items():
         assert_bitwise_equal(target[k], v, k)
