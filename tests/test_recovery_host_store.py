@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from dcp.core.metadata import Metadata
-from dcp.errors import MemoryTierError
+from dcp.errors import CorruptCheckpointError, MemoryTierError
 from dcp.recovery.host_store import HostStore
 
 
@@ -60,3 +60,35 @@ def test_a_host_without_the_memory_refuses_the_step(tmp_path) -> None:
     staged = store.stage(1, "r00000.data", 1 << 20)  # reserved whole, not a sparse file
     assert (store.step_dir(1) / "r00000.data").stat().st_blocks * 512 >= 1 << 20
     staged.close()
+
+
+def test_a_new_save_of_a_step_leaves_nothing_of_an_earlier_one_counting(tmp_path) -> None:
+    """Step 5 half-written by a killed 4-rank save (held lists of ranks 0-3,
+    metadata, a failure record), then begun again by a 2-rank job: only what
+    the new save writes is held; the old lists and metadata are gone."""
+    store = HostStore(tmp_path, "run", "h0")
+    store.begin(5)
+    for rank in range(4):
+        staged = store.stage(5, f"r{rank:05d}.data", 8)
+        staged.view[:] = bytes([rank]) * 8
+        staged.close()
+        store.write_held(5, rank, {"files": [[f"r{rank:05d}.data", [rank], [0]]]})
+    store.write_metadata(5, Metadata(save_id="old", world_size=4))
+    store.commit(5)
+    assert store.record_failure(5, "copies damaged") == 1
+    assert store.held(5) == {r: (f"r{r:05d}.data", 0) for r in range(4)}
+    store.begin(5)  # the 2-rank job's save of step 5
+    assert store.steps() == [] and store.held(5) == {}
+    with pytest.raises(CorruptCheckpointError, match="no metadata.json"):
+        store.metadata(5)
+    staged = store.stage(5, "r00000.data", 8)
+    staged.view[:] = b"newbytes"
+    staged.close()
+    store.write_held(5, 0, {"files": [["r00000.data", [0], [0]]]})
+    store.write_metadata(5, Metadata(save_id="new", world_size=2))
+    store.commit(5)
+    assert store.steps() == [5] and store.held(5) == {0: ("r00000.data", 0)}
+    assert store.metadata(5).save_id == "new"
+    assert store.record_failure(5, "copies damaged") == 1  # the old failure was cleared
+    out = memoryview(bytearray(8))
+    assert store.read(5, "r00000.data", 0, out) == 8 and bytes(out) == b"newbytes"

@@ -123,10 +123,17 @@ class HostStore:
         return sorted(out)
 
     def begin(self, step: int) -> Path:
-        """A fresh folder for ``step`` (what a killed save left there removed)."""
+        """A fresh folder for ``step``: what an earlier save of it left there
+        (a killed one, or one at another world size or layout) no longer
+        counts: its ``COMMITTED``, ``BAD``, failures, metadata and every
+        held list go (no rank writes its list before every rank of the step
+        began it: the lists follow the step's first gather); data files are
+        each rank's own to overwrite."""
         d = self.step_dir(step)
         d.mkdir(parents=True, exist_ok=True)
-        for name in (COMMITTED, BAD):
+        stale = [COMMITTED, BAD, FAILURES, md_codec.METADATA_FILE]
+        stale += [n for n in os.listdir(d) if n.startswith("held.r") and n.endswith(".json")]
+        for name in stale:
             with contextlib.suppress(FileNotFoundError):
                 (d / name).unlink()
         return d
