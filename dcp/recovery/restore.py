@@ -120,12 +120,14 @@ def find(g: TierGroup, persistent: list[int], passed: set[int]) -> Found | None:
 def _plan(md: Metadata, leaves: dict, where: str):
     """This rank's needs: ``tasks`` ``(chunk id, target view, offsets in
     the chunk, sizes)``, ``blobs`` ``(chunk id, leaf, fqn, raw type)``, the
-    plain values set, and the fqns missing."""
+    plain ``values`` ``(leaf, fqn, value)`` and the fqns missing.  Nothing
+    of the target is changed here: the caller sets everything once every
+    chunk arrived, so a restore that fails leaves the target as it was."""
     fqns, nbytes, crcs, boxes = chunk_table(md)
     by_fqn: dict[str, list[int]] = {}
     for cid, fqn in enumerate(fqns):
         by_fqn.setdefault(fqn, []).append(cid)
-    tasks, blobs, missing = [], [], []
+    tasks, blobs, values, missing = [], [], [], []
     for fqn, leaf in leaves.items():
         if tensors.is_tensor(leaf.value):
             saved = md.tensors.get(fqn)
@@ -153,10 +155,10 @@ def _plan(md: Metadata, leaves: dict, where: str):
             if obj.raw is not None:
                 blobs.append((by_fqn[fqn][0], leaf, fqn, obj.raw_type))
             elif obj.pickled is None:
-                leaf.replace(fqn, shaped_like(leaf.value, obj.value))
+                values.append((leaf, fqn, shaped_like(leaf.value, obj.value)))
         else:
             missing.append(fqn)
-    return tasks, blobs, missing, (fqns, nbytes, crcs, boxes)
+    return tasks, blobs, values, missing, (fqns, nbytes, crcs, boxes)
 
 
 def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | None,
@@ -178,11 +180,12 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
     error: str | None = None
     tasks: list = []
     blobs: list = []
+    values: list = []
     table: tuple = ([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
     try:
         targets.before_planning(md)
         leaves = flatten(targets.state_dict, tensors.is_tensor)
-        tasks, blobs, missing, table = _plan(md, leaves, where)
+        tasks, blobs, values, missing, table = _plan(md, leaves, where)
         if missing:
             raise CheckpointError(f"{where}: keys of the target it does not hold: "
                                   f"{sorted(missing)}")
@@ -280,6 +283,8 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
     for cid, leaf, fqn, kind in blobs:
         data = got[cid].numpy().tobytes()
         leaf.replace(fqn, io.BytesIO(data) if kind == "BytesIO" else data)
+    for leaf, fqn, value in values:
+        leaf.replace(fqn, value)
     targets.finish(report)
     report.seconds = time.perf_counter() - t0
     return report
