@@ -620,6 +620,11 @@ def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w
     _trainers_killed_after_save_then_resumed(ctx)
 
 
+@dist_scenario(world_size=4)
+def test_manager_trainers_killed_after_save_their_background_commit_resumes_it_w4(ctx):
+    _trainers_killed_after_save_then_resumed(ctx)
+
+
 def _shard(value: float | None, rank: int) -> dcp.TensorShard:
     """Rank ``rank``'s half of an 8-element tensor: ``value + rank``, or zeros."""
     data = torch.zeros(4) if value is None else torch.full((4,), value + rank)
