@@ -162,16 +162,25 @@ def merge_paths(md: Metadata, results: list[WriteResult]) -> dict[str, tuple[str
     rank's path of each fqn of ``md``.  Raises :class:`CheckpointError`
     naming the fqn and both ranks where two ranks give it different paths
     (``{"a.b": t}`` on one, ``{"a": {"b": t}}`` on another)."""
-    first: dict[str, tuple[int, list[str | int]]] = {}
-    for rank, result in enumerate(results):
-        for fqn, path in result.paths.items():
-            seen = first.setdefault(fqn, (rank, path))
-            if seen[1] != path:
-                raise CheckpointError(
-                    f"{fqn!r}: ranks {seen[0]} and {rank} hold it at different paths "
-                    f"({seen[1]} vs {path}); give each rank the same state dict structure")
-    return {fqn: tuple(path) for fqn, (_, path) in first.items()
+    first = _agreed([r.paths for r in results], lambda fqn, r0, a, r1, b: (
+        f"{fqn!r}: ranks {r0} and {r1} hold it at different paths ({a} vs {b}); give "
+        f"each rank the same state dict structure"))
+    return {fqn: tuple(path) for fqn, path in first.items()
             if fqn in md.tensors or fqn in md.objects}
+
+
+def _agreed(per_rank: list[dict[str, Any]],
+            mismatch: Callable[[str, int, Any, int, Any], str]) -> dict[str, Any]:
+    """Each key's value, the same on every rank that has the key; raises
+    :class:`CheckpointError` with ``mismatch(key, rank_a, a, rank_b, b)``
+    where two ranks differ."""
+    first: dict[str, tuple[int, Any]] = {}
+    for rank, values in enumerate(per_rank):
+        for key, value in values.items():
+            seen = first.setdefault(key, (rank, value))
+            if seen[1] != value:
+                raise CheckpointError(mismatch(key, seen[0], seen[1], rank, value))
+    return {key: value for key, (_, value) in first.items()}
 
 
 def _pad(ndim: np.ndarray, flat: np.ndarray, fill: int) -> np.ndarray:
@@ -742,15 +751,10 @@ class _Save:
         return True
 
     def _merge_objects(self, md: Metadata, results: list[WriteResult], save_id: str) -> None:
-        texts: dict[str, tuple[int, str]] = {}
-        for rank, result in enumerate(results):
-            for fqn, text in result.json_values.items():
-                first = texts.setdefault(fqn, (rank, text))
-                if first[1] != text:
-                    raise CheckpointError(
-                        f"{fqn!r}: ranks {first[0]} and {rank} hold different values "
-                        f"({first[1]:.60} vs {text:.60}); give per-rank values distinct keys")
-        for fqn, (_, text) in texts.items():
+        texts = _agreed([r.json_values for r in results], lambda fqn, r0, a, r1, b: (
+            f"{fqn!r}: ranks {r0} and {r1} hold different values ({a:.60} vs {b:.60}); give "
+            f"per-rank values distinct keys"))
+        for fqn, text in texts.items():
             md.objects[fqn] = ObjectMeta(value=json.loads(text))
         blobs: dict[str, bytes] = {}
         holders: dict[str, int] = {}
