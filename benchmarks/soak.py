@@ -1205,7 +1205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-q", "--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.report:
-        results = [json.loads(f.read_text()) for f in a.report]
+        results = []
+        for f in a.report:
+            try:
+                results.append(json.loads(f.read_text()))
+            except (OSError, ValueError) as e:
+                p.error(f"--report {f}: not a soak results file ({e})")
         print(markdown(results))
         for res in results:
             print(f"\n{res['storage']}: {json.dumps(summarize(res['cycles']))}")
