@@ -290,6 +290,16 @@ def test_pointer_listing_fallback_initial_load_and_export(tmp_path):
                         dtype=torch.float16)
     assert (Path(folder) / "model.safetensors").exists() or list(Path(folder).glob("*.safetensors"))
     assert not (Path(folder) / ".dcp").exists()  # the staging checkpoint, gone
+    # a run that resumed before its last step exports that step again: replaced
+    with torch.no_grad():
+        model.weight.fill_(3.5)
+    assert mgr.export(31, model) == ckpt
+    assert torch.equal(dcp.load_keys(ckpt)["weight"], torch.full((3, 4), 3.5, dtype=torch.bfloat16))
+    again = mgr.export(31, model.state_dict(), safetensors=True, path=str(tmp_path / "hf"),
+                       dtype=torch.float16)
+    from safetensors.torch import load_file
+    tensors = {k: v for f in Path(again).glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(tensors["weight"], torch.full((3, 4), 3.5, dtype=torch.float16))
     mgr.close()
 
     # initial loads into an empty root
@@ -298,7 +308,7 @@ def test_pointer_listing_fallback_initial_load_and_export(tmp_path):
         m = dcp.CheckpointManager(tmp_path / f"empty-{Path(source).name}", async_save=False,
                                   initial_load_path=source, save_rng=False)
         assert m.load_latest({"model": fresh}) is None
-        assert torch.equal(fresh.weight, torch.full((3, 4), 2.5))
+        assert torch.equal(fresh.weight, torch.full((3, 4), 3.5))
         m.close()
 
 

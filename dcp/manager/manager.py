@@ -867,7 +867,10 @@ class CheckpointManager:
         ``dtype`` (default ``export_dtype``), to ``path`` (default
         ``<root>/export-<step>``), as a checkpoint or, with
         ``safetensors=True``, as a Hugging Face safetensors folder; returns
-        where.  Collective."""
+        where.  Collective.  An export already there (a run that resumed
+        before its last step and reached it again) is replaced: the new
+        checkpoint commits atomically over the old one, and a safetensors
+        folder's files that the new export does not rewrite are deleted."""
         step = self._check_step(step)
         self.wait()
         dtype = dtype if dtype is not None else self.export_dtype
@@ -878,15 +881,16 @@ class CheckpointManager:
         dest = checkpoint_uri(path) if path else f"{self.root.rstrip('/')}/export-{step}"
         if not safetensors:
             sync_save(cast, dest, process_group=self.process_group,
-                      storage_options=self.storage_options)
+                      storage_options=self.storage_options, overwrite=True)
             return dest
         staging = f"{dest.rstrip('/')}/.dcp"
         sync_save(cast, staging, process_group=self.process_group,
-                  storage_options=self.storage_options)
+                  storage_options=self.storage_options, overwrite=True)
         if self.rank == 0:
             from dcp.interop.safetensors_io import checkpoint_to_safetensors
 
-            checkpoint_to_safetensors(staging, dest, storage_options=self.storage_options)
+            checkpoint_to_safetensors(staging, dest, storage_options=self.storage_options,
+                                      overwrite=True)
             store = open_storage(staging, **self.storage_options)
             store.delete(store.list_files())
             remove_empty_folder(staging, self.storage_options)
