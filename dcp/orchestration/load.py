@@ -658,7 +658,8 @@ class _Load:
     def _whole_chunk(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
         """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
         regions ``items`` of it: with ``verify="all"`` when they do not cover
-        it, else where the load planner finds it no dearer than their runs."""
+        it, else where the load planner finds it no dearer than their runs
+        (never for a compressed chunk: its covering frames are read)."""
         saved = self.metadata.tensors[fqn]
         chunk = saved.chunks[number]
         partial = [i for i in items if i.sizes != chunk.sizes]
@@ -666,6 +667,8 @@ class _Load:
             return False
         if self.verify == "all":
             return True
+        if chunk.frames is not None:
+            return False
         itemsize = DTYPE_ITEMSIZE[saved.dtype]
         extents = []
         for item in partial:
