@@ -249,3 +249,16 @@ def test_shm_round_trip():
         assert torch.equal(out["w"], w)
     finally:
         shutil.rmtree(Path(DEFAULT_ROOT) / name, ignore_errors=True)
+
+
+def test_write_results_carry_frame_indexes_across_ranks():
+    from dcp.coordination import wire
+    from dcp.core.metadata import ChunkMeta
+    from dcp.orchestration.save import WriteResult
+    index = compression.FrameIndex(4096, (100, 30), (compression.GROUPED, compression.ZSTD),
+                                   (5, 2**32 - 1))
+    result = WriteResult(chunks=[("w", ChunkMeta((0,), (2100,), "f.data", 0, 4200, 7, 1))],
+                         frames={("w", (0,)): index})
+    decoded = wire.decode(wire.encode(result), "test")
+    assert decoded.frames == {("w", (0,)): index}
+    assert decoded.chunks == result.chunks
