@@ -2,8 +2,9 @@
 trips for every dtype, partial loads that read only the frames covering
 their bytes, corruption and hostile frame indexes refused, S3 and shm://.
 
-In-process, world size 1; frames of 4 KiB (the smallest) so small tensors
-span several."""
+In-process, world size 1, but for one save at W=2 (twice: the second by the
+cached plan) loaded resharded at W=4; frames of 4 KiB (the smallest) so
+small tensors span several."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import dcp
 import s3_server
 from dcp.core import compression
 from dcp.core.metadata import METADATA_FILE, _pack, _unpack, decode
+from dist_harness import dist_scenario
 from storage_plugins.shm import DEFAULT_ROOT
 
 SMALL = dcp.Compression(frame_bytes=4096)
@@ -262,3 +264,36 @@ def test_write_results_carry_frame_indexes_across_ranks():
     decoded = wire.decode(wire.encode(result), "test")
     assert decoded.frames == {("w", (0,)): index}
     assert decoded.chunks == result.chunks
+
+
+# 256 bf16 per row: 512 bytes, 8 rows per 4 KiB frame
+_W = _value(torch.bfloat16, (128, 256), 5)
+_R = _value(torch.float32, (3000,), 6)
+
+
+@dist_scenario(world_size=2, phase=0)
+def test_compressed_save_at_w2(ctx):
+    rows = slice(64 * ctx.rank, 64 * ctx.rank + 64)
+    for name in ("compressed_w2", "compressed_w2_cached"):  # the second save: cached plan
+        state = {"w": dcp.TensorShard(_W[rows].clone(), (128, 256), (64 * ctx.rank, 0)),
+                 "r": _R.clone()}
+        dcp.save(state, str(ctx.shared / name), compression=SMALL)
+
+
+@dist_scenario(world_size=4, phase=1)
+def test_compressed_w2_checkpoint_loads_resharded_at_w4(ctx):
+    for name in ("compressed_w2", "compressed_w2_cached"):
+        ckpt = str(ctx.shared / name)
+        chunks = dcp.read_metadata(ckpt).tensors["w"].chunks
+        assert [c.frames is not None for c in chunks] == [True, True]
+        cols = torch.empty(128, 64, dtype=torch.bfloat16)  # Shard(0) -> Shard(1)
+        r = torch.empty(3000)
+        dcp.load({"w": dcp.TensorShard(cols, (128, 256), (0, 64 * ctx.rank)), "r": r}, ckpt)
+        assert torch.equal(cols, _W[:, 64 * ctx.rank:64 * ctx.rank + 64]) and torch.equal(r, _R)
+        lo = 32 * ctx.rank  # rows of one saved chunk: 4 of its 8 frames
+        rows = torch.empty(32, 256, dtype=torch.bfloat16)
+        report = dcp.load({"w": dcp.TensorShard(rows, (128, 256), (lo, 0))}, ckpt, strict=False)
+        assert torch.equal(rows, _W[lo:lo + 32])
+        frames = chunks[lo // 64].frames
+        first = (lo % 64) // 8
+        assert report.bytes_read == sum(frames.stored[first:first + 4]), report.bytes_read
