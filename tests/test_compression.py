@@ -297,3 +297,20 @@ def test_compressed_w2_checkpoint_loads_resharded_at_w4(ctx):
         frames = chunks[lo // 64].frames
         first = (lo % 64) // 8
         assert report.bytes_read == sum(frames.stored[first:first + 4]), report.bytes_read
+
+
+def test_verify_checks_each_frame_and_conversions_refuse_by_name(tmp_path):
+    from dcp.interop.safetensors_io import checkpoint_to_safetensors
+    from dcp.tools.verify import verify
+    w = _value(torch.float32, (64, 64))
+    dcp.save({"w": w}, tmp_path / "c", compression=SMALL)
+    report = verify(str(tmp_path / "c"))
+    assert report.ok and report.checked == 4  # four frames
+    with pytest.raises(dcp.CheckpointError, match="'w'.*compressed"):
+        checkpoint_to_safetensors(str(tmp_path / "c"), str(tmp_path / "st"))
+    path, spans = _frame_spans(tmp_path / "c", "w")
+    data = bytearray(path.read_bytes())
+    data[spans[1][0]] ^= 1
+    path.write_bytes(bytes(data))
+    report = verify(str(tmp_path / "c"))
+    assert not report.ok and "frame 1" in str(report.damaged)

@@ -62,7 +62,7 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.interop.streaming import check_readable, conversion_data
+from dcp.interop.streaming import check_readable, conversion_data, refuse_compressed
 from dcp.orchestration.save import (
     DATA_SUFFIX,
     commit_metadata,
@@ -306,6 +306,7 @@ def _read_into(storage: StoragePlugin, fqn: str, meta: TensorMeta, out: memoryvi
     """Add to ``requests`` (file -> scatter requests) the reads that put the
     whole tensor ``fqn`` into ``out``, its row-major bytes."""
     meta.check_coverage(fqn, storage.checkpoint_id)
+    refuse_compressed(storage, fqn, meta)
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
     for chunk in meta.chunks:
         pos = 0

@@ -149,11 +149,24 @@ def split_file(uri: str) -> tuple[str, str]:
     return root or ".", name
 
 
+def refuse_compressed(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
+    """Raise :class:`CheckpointError` naming ``fqn`` if a chunk of it is
+    compressed: the conversions read stored bytes as they are and do not
+    decode frames yet (``dcp.load`` does)."""
+    if any(chunk.frames is not None for chunk in meta.chunks):
+        raise CheckpointError(
+            f"{fqn!r} of {storage.checkpoint_id!r} is stored compressed (zstd); this "
+            f"conversion does not decode compressed chunks yet: dcp.load reads them")
+
+
 def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
     """Read the last byte of each chunk of ``fqn``, so that a short file (or
     a crafted size) raises before its tensor's memory is allocated.  Raises
-    :class:`CorruptCheckpointError` naming the tensor, chunk and file."""
+    :class:`CorruptCheckpointError` naming the tensor, chunk and file, and
+    :class:`CheckpointError` for a compressed chunk, which the conversions
+    do not decode yet (``dcp.load`` does)."""
     meta.check_coverage(fqn, storage.checkpoint_id)
+    refuse_compressed(storage, fqn, meta)
     for chunk in meta.chunks:
         if chunk.nbytes:
             try:
