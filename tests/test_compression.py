@@ -314,3 +314,16 @@ def test_verify_checks_each_frame_and_conversions_refuse_by_name(tmp_path):
     path.write_bytes(bytes(data))
     report = verify(str(tmp_path / "c"))
     assert not report.ok and "frame 1" in str(report.damaged)
+
+
+def test_async_save_compresses(tmp_path):
+    w = _value(torch.bfloat16, (64, 128))
+    state = {"w": w.clone()}
+    response = dcp.async_save(state, str(tmp_path / "a"), compression=SMALL)
+    state["w"].add_(1)  # after the call: not in the checkpoint
+    response.result(60)
+    chunk = dcp.read_metadata(str(tmp_path / "a")).tensors["w"].chunks[0]
+    assert chunk.frames is not None and set(chunk.frames.kinds) == {compression.GROUPED}
+    out = {"w": torch.empty_like(w)}
+    dcp.load(out, str(tmp_path / "a"))
+    assert torch.equal(out["w"], w)
