@@ -148,7 +148,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def _group(piece: memoryview, itemsize: int) -> np.ndarray:
+def _group(piece: memoryview, itemsize: int) -> memoryview:
     """Byte ``j`` of every element together, for ``j`` in ``range(itemsize)``
     (one strided copy per byte position: ~3.5 GB/s here, against ~0.55 for
     numpy's generic transpose)."""
@@ -156,7 +156,7 @@ def _group(piece: memoryview, itemsize: int) -> np.ndarray:
     out = np.empty((itemsize, len(elements)), dtype=np.uint8)
     for j in range(itemsize):
         out[j] = elements[:, j]
-    return out
+    return out.data
 
 
 def _ungroup(data: bytes, itemsize: int, out: memoryview) -> None:
@@ -179,7 +179,7 @@ def compress(buffer: memoryview, dtype: str, itemsize: int,
     stored, kinds, crcs = [], [], []
     for start in range(0, len(buffer), step):
         piece = buffer[start:start + step]
-        packed = compressor.compress(memoryview(_group(piece, itemsize)) if grouped else piece)
+        packed = compressor.compress(_group(piece, itemsize) if grouped else piece)
         part: memoryview | bytes
         if len(packed) < len(piece):
             part, kind = packed, GROUPED if grouped else ZSTD
