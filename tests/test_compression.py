@@ -327,3 +327,21 @@ def test_async_save_compresses(tmp_path):
     out = {"w": torch.empty_like(w)}
     dcp.load(out, str(tmp_path / "a"))
     assert torch.equal(out["w"], w)
+
+
+def test_inspect_shows_stored_and_logical_bytes(tmp_path, capsys):
+    from dcp.tools.cli import main
+    w = _value(torch.bfloat16, (64, 128))
+    dcp.save({"w": w, "n": torch.arange(10)}, tmp_path / "c", compression=SMALL)
+    file_bytes = sum(f.stat().st_size for f in (tmp_path / "c").glob("*.data"))
+    assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tensors = doc["tensors"]
+    assert tensors["w"]["nbytes"] == 64 * 128 * 2 > tensors["w"]["file_bytes"]
+    assert tensors["w"]["file_bytes"] + tensors["n"]["file_bytes"] <= file_bytes
+    assert tensors["w"]["chunks"][0]["frames"] == 4
+    assert main(["inspect", str(tmp_path / "c"), "--chunks"]) == 0
+    out = capsys.readouterr().out
+    ratio = tensors["w"]["nbytes"] / tensors["w"]["file_bytes"]
+    assert f"{tensors['w']['file_bytes']} B in files, {ratio:.2f}x zstd" in out
+    assert "4 zstd frames" in out

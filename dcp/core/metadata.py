@@ -175,6 +175,23 @@ class TensorMeta:
             return int(store.sizes.prod(axis=1).sum()) * DTYPE_ITEMSIZE[self.dtype]
         return sum(c.nbytes for c in store)
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes its saved chunks take in data files: :attr:`stored_bytes`,
+        fewer where chunks are compressed."""
+        store = self._store
+        if isinstance(store, _ChunkTable) and not store.frames:
+            return self.stored_bytes
+        return sum(c.stored_nbytes for c in self.chunks)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any of its chunks is compressed."""
+        store = self._store
+        if isinstance(store, _ChunkTable):
+            return bool(store.frames)
+        return any(c.frames is not None for c in store)
+
     def files(self) -> set[str]:
         """Data files holding its chunks."""
         store = self._store
@@ -486,11 +503,8 @@ def _frames_of(value, rows: int, nbytes: np.ndarray, itemsizes: np.ndarray, size
 def min_version(md: Metadata) -> int:
     """The lowest format version that expresses ``md``: 3 if it holds
     compressed chunks, 2 if it holds raw blobs, else 1."""
-    for t in md.tensors.values():
-        store = t._store
-        if store.frames if isinstance(store, _ChunkTable) else any(
-                c.frames is not None for c in store):
-            return 3
+    if any(t.compressed for t in md.tensors.values()):
+        return 3
     return 2 if any(o.raw is not None for o in md.objects.values()) else 1
 
 
