@@ -26,6 +26,7 @@ content size must equal it and the output is capped at it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -222,6 +223,27 @@ def decode_frame(stored: memoryview, kind: int, out: memoryview, itemsize: int,
         _ungroup(data, itemsize, out)
     else:
         out[:] = data
+
+
+def decode_frames(index: FrameIndex, frames: Sequence[int], stored: Sequence[memoryview],
+                  out: memoryview, itemsize: int, where: str, *, check: bool = True) -> None:
+    """Decode ``frames`` of a chunk (their ``stored`` bytes, as read) into
+    their places in ``out``, the chunk's logical bytes; with ``check``,
+    each frame's CRC-32C of its stored bytes is compared first.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` (the tensor, chunk and
+        file), the frame and its bytes, for a checksum mismatch or bytes
+        that do not decode to the frame's logical size.
+    """
+    starts = index.stored_offsets()
+    for f, data in zip(frames, stored, strict=True):
+        at = f"{where}, frame {f} (stored bytes {starts[f]}..{starts[f] + index.stored[f]})"
+        if check and crc32c.crc32c(data) != index.crcs[f]:
+            raise CorruptCheckpointError(f"{at}: checksum mismatch: the checkpoint is corrupted")
+        start = f * index.frame_bytes
+        decode_frame(data, index.kinds[f], out[start:start + index.logical_size(f, len(out))],
+                     itemsize, at)
 
 
 def check_index(frames: FrameIndex, nbytes: int, itemsize: int, where: str) -> None:

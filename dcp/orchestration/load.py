@@ -637,18 +637,10 @@ class _Load:
             self.counts[cached][1] += len(requests)
         logical = tensors.empty_bytes(chunk.nbytes)
         view = tensors.byte_view(logical)
-        where = (f"{fqn!r}: compressed chunk at offsets {list(chunk.offsets)} of file "
-                 f"{chunk.file!r}")
-        for f, data in zip(wanted, stored, strict=True):
-            at = f"{where}, frame {f} (bytes {chunk.byte_offset + starts[f]}.." \
-                 f"{chunk.byte_offset + starts[f] + index.stored[f]})"
-            if self.verify != "none" and checksum(data) != index.crcs[f]:
-                raise CorruptCheckpointError(f"{at}: checksum mismatch: the checkpoint is "
-                                             f"corrupted")
-            start = f * index.frame_bytes
-            compression.decode_frame(data, index.kinds[f],
-                                     view[start:start + index.logical_size(f, chunk.nbytes)],
-                                     itemsize, at)
+        compression.decode_frames(
+            index, wanted, stored, view, itemsize,
+            f"{fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
+            f"{chunk.byte_offset}) of file {chunk.file!r}", check=self.verify != "none")
         designated = self.checks is None or (fqn, number) in self.checks
         check = whole and self.verify != "none" and designated and not cached
         sink = _Sink(chunk, saved.dtype, indices, chunk.nbytes,
