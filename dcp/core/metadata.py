@@ -582,9 +582,12 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     """Decode and validate metadata bytes.
 
     Raises :class:`~dcp.errors.CorruptCheckpointError` naming ``where`` and
-    the problem for anything that is not a well-formed version-1 document;
-    memory allocated is bounded by a small multiple of ``len(data)``.
-    Versions 1 and 2 are read (:data:`READ_VERSIONS`).
+    the problem for anything that is not a well-formed document, and
+    :class:`~dcp.errors.CheckpointError` naming the codec of compressed
+    chunks this build cannot decode; memory allocated is bounded by a
+    multiple of ``len(data)`` (the frame index: one small Python object per
+    frame, at most ``len(data)`` frames).  Versions 1 to 3 are read
+    (:data:`READ_VERSIONS`).
     """
     try:
         doc = json.loads(data)
