@@ -366,3 +366,16 @@ def test_conversions_decompress(tmp_path):
     storage = open_storage(str(tmp_path / "d"))
     md = dcp.read_metadata(str(tmp_path / "d"))
     assert torch.equal(read_tensor(storage, "a", md.tensors["a"]), w)
+
+
+def test_the_manager_saves_compressed_steps(tmp_path):
+    w = _value(torch.bfloat16, (64, 128))
+    with dcp.CheckpointManager(tmp_path / "run", async_save=False, save_rng=False,
+                               compression=SMALL) as mgr:
+        assert mgr.save(5, {"w": w}, force=True)
+        target = {"w": torch.empty_like(w)}
+        assert mgr.load_latest(target) == 5
+        path = mgr.step_uri(5)
+    assert torch.equal(target["w"], w)
+    chunk = dcp.read_metadata(path).tensors["w"].chunks[0]
+    assert chunk.frames is not None and len(chunk.frames.stored) == 4
