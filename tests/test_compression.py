@@ -329,6 +329,12 @@ def test_async_save_compresses(tmp_path):
     out = {"w": torch.empty_like(w)}
     dcp.load(out, str(tmp_path / "a"))
     assert torch.equal(out["w"], w)
+    # without coordination: per-rank metadata files, merged on reading
+    dcp.async_save({"w": w}, str(tmp_path / "n"), coordination="none",
+                   compression=SMALL).result(60)
+    assert dcp.read_metadata(str(tmp_path / "n")).tensors["w"].chunks[0].frames is not None
+    dcp.load(out, str(tmp_path / "n"))
+    assert torch.equal(out["w"], w)
 
 
 def test_inspect_shows_stored_and_logical_bytes(tmp_path, capsys):
