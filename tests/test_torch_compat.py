@@ -1033,6 +1033,9 @@ def _tutorial_overwrite_loop(ctx):
                   FileSystemWriter(checkpoint_dir, thread_count=2, sync_files=False,
                                    _extensions=[ZStandard()]))
         dcp_.save(state_dict, storage_writer=writer)
+        chunks = [c for t in dcp.read_metadata(str(checkpoint_dir)).tensors.values()
+                  for c in t.chunks]
+        assert any(c.frames is not None for c in chunks) == (step == 1)  # ZStandard: zstd
         expected = _expected(model, optimizer)
         model2 = _fsdp_model(ws, seed=9)
         opt2 = torch.optim.AdamW(model2.parameters(), lr=0.3)
