@@ -206,6 +206,10 @@ def test_an_unknown_codec_is_refused_by_name(tmp_path):
     with pytest.raises(dcp.CheckpointError, match="codec 'lz9'") as caught:
         dcp.load({"w": torch.empty_like(w)}, tmp_path / "c")
     assert not isinstance(caught.value, dcp.CorruptCheckpointError)
+    _edit_metadata(tmp_path / "c", lambda doc: doc.update(version=2) or doc["frames"].update(
+        codec="zstd"))
+    with pytest.raises(dcp.CorruptCheckpointError, match="frames section in a version 2"):
+        dcp.load({"w": torch.empty_like(w)}, tmp_path / "c")
 
 
 def test_the_policy_is_validated(tmp_path):
