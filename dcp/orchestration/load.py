@@ -27,7 +27,11 @@ checks every read that covers a whole chunk, including chunks read whole
 because their gaps were cheaper to read than to skip — a read of part of a
 chunk cannot be checked without reading the rest of it; ``"all"`` reads whole chunks where
 parts are needed, so every loaded byte is checked; ``"none"`` checks
-nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
+nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.  Of a
+compressed chunk (:mod:`dcp.core.compression`) only the frames covering the
+needed bytes are read; each one's CRC-32C of its stored bytes is checked
+before it is decoded (unless ``"none"``), and the chunk's CRC-32C of its
+logical bytes as above, where the whole chunk is decoded.
 """
 
 from __future__ import annotations
