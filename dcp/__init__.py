@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         async_save_counters,
         prestart_async_worker,
     )
+    from dcp.core.compression import Compression
     from dcp.core.metadata import ChunkMeta, Metadata, ObjectMeta, TensorMeta
     from dcp.core.mindspore_layout import mindspore_shard
     from dcp.core.tensors import TensorShard
@@ -76,7 +77,7 @@ __all__ = [
     "CheckpointManager", "CheckpointWarning", "PerRank", "FromFirstRank", "SumOf", "DeriveRNG",
     "AnyOf",
     "BestN", "EveryNSteps", "FixedInterval", "Forced", "LatestN", "OnPreemption",
-    "SpecificSteps",
+    "SpecificSteps", "Compression",
 ]
 
 #: Each module and the public names imported from it on first use: the
@@ -85,6 +86,7 @@ _HOMES = {
     "dcp.asynchronous.async_save": ("AsyncSaveCounters", "AsyncSaveResponse", "AsyncSaveStats",
                                     "AsyncSaveTimeout", "async_save", "async_save_counters",
                                     "prestart_async_worker"),
+    "dcp.core.compression": ("Compression",),
     "dcp.core.metadata": ("ChunkMeta", "Metadata", "ObjectMeta", "TensorMeta"),
     "dcp.core.mindspore_layout": ("mindspore_shard",),
     "dcp.core.tensors": ("TensorShard",),

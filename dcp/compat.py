@@ -353,7 +353,7 @@ _WRITER_REFUSED = {
                                           "through its own bounded, reused staging"),
     "transforms": (None, "a stream extension's transform (encryption, say) would not run on "
                          "hyperdcp's files; only torch's ZStandard is accepted (hyperdcp "
-                         "stores the bytes uncompressed)"),
+                         "then compresses its chunks with zstd: docs/compression.md)"),
     "serialization_format": ("torch_save", "hyperdcp writes its own format"),
 }
 
@@ -364,9 +364,8 @@ def _writer_options(storage_writer: Any) -> dict[str, Any]:
     1 leaves hyperdcp's), ``sync_files=False`` as ``fsync=False``.
     ``single_file_per_rank`` and ``cache_staged_state_dict`` are accepted
     at any value (the files' layout is hyperdcp's; its async staging buffer
-    is reused anyway), and so is torch's ``ZStandard`` extension (a
-    smaller file, the same bytes loaded); ``overwrite`` is
-    :func:`_overwrite`'s.  Raises
+    is reused anyway), and so is torch's ``ZStandard`` extension
+    (:func:`_compression`); ``overwrite`` is :func:`_overwrite`'s.  Raises
     :class:`CheckpointError` naming a setting of :data:`_WRITER_REFUSED` at
     another value than torch's default."""
     if storage_writer is None:
@@ -387,6 +386,14 @@ def _writer_options(storage_writer: Any) -> dict[str, Any]:
     if getattr(storage_writer, "sync_files", True) is False:
         options["fsync"] = False
     return options
+
+
+def _compression(storage_writer: Any) -> str | None:
+    """``"zstd"`` where torch's ``FileSystemWriter`` was given its
+    ``ZStandard`` extension (hyperdcp's per-chunk compression in its place,
+    docs/compression.md), else ``None``."""
+    extensions = getattr(getattr(storage_writer, "transforms", None), "extensions", None) or ()
+    return "zstd" if any(type(e).__name__ == "ZStandard" for e in extensions) else None
 
 
 def _storage_for(where: str) -> None:
@@ -417,7 +424,8 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None 
         return _save(state_dict, where, planner=_save_planner(planner),
                      process_group=_group(process_group, no_dist, use_collectives),
                      overwrite=_overwrite(storage_writer),
-                     storage_options=_writer_options(storage_writer))
+                     storage_options=_writer_options(storage_writer),
+                     compression=_compression(storage_writer))
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike | None = None,
@@ -519,7 +527,8 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
         response = _async_save(state_dict, where, planner=_save_planner(planner),
                                process_group=_group(process_group, no_dist, use_collectives),
                                overwrite=_overwrite(storage_writer),
-                               storage_options=_writer_options(storage_writer))
+                               storage_options=_writer_options(storage_writer),
+                               compression=_compression(storage_writer))
     future: Future = Future()
     future.set_running_or_notify_cancel()
 

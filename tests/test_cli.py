@@ -78,10 +78,10 @@ def test_inspect_lists_tensors_chunks_bytes_ranks_and_version(ckpt, capsys):
     chunk = md.tensors["model.w"].chunks[0]
     assert (code, doc["format"], doc["version"], doc["world_size"]) == (0, "hyperdcp", 1, 1)
     assert doc["tensors"]["model.w"] == {
-        "shape": [4, 6], "dtype": "float32", "nbytes": 96, "ranks": [0],
+        "shape": [4, 6], "dtype": "float32", "nbytes": 96, "file_bytes": 96, "ranks": [0],
         "chunks": [{"offsets": [0, 0], "sizes": [4, 6], "file": chunk.file,
                     "byte_offset": chunk.byte_offset, "nbytes": 96, "checksum": chunk.checksum,
-                    "rank": 0}]}
+                    "rank": 0, "file_nbytes": 96, "frames": None}]}
     assert doc["objects"] == {"step": 7} and doc["stored_bytes"] == 96 + 24 + 2
 
 

@@ -108,6 +108,7 @@ from dcp.asynchronous.worker import (
 )
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.plan_cache import PlanCache
+from dcp.core.compression import Compression, resolve
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlanner
 from dcp.core.storage import StoragePlugin
@@ -218,6 +219,7 @@ class _Options:
     blocking_staging: bool
     timeout: float
     before_commit: BeforeCommit | None
+    compression: Compression | None
 
 
 def _as_error(e: BaseException, rank: int, what: str) -> CheckpointError:
@@ -342,7 +344,8 @@ class _Saver:
             json_values=state.json_values if state else {}, pickled=state.pickled if state else {},
             paths=state.paths if state else {},
             rank=self.rank, world_size=self.world_size, timeout=options.timeout,
-            rendezvous=rendezvous, layout=layout, plan_entries=[], error=error)
+            rendezvous=rendezvous, layout=layout, plan_entries=[], error=error,
+            compression=options.compression)
         stall = time.perf_counter() - start
         threading.Thread(target=self._persist, args=(job, response, stall, finish),
                          name="dcp-async-save", daemon=True).start()
@@ -501,7 +504,8 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
                storage_options: dict | None = None, blocking_staging: bool = True,
                callback: Callable[[AsyncSaveResponse], None] | None = None,
                timeout: float = 600.0,
-               before_commit: BeforeCommit | None = None) -> AsyncSaveResponse:
+               before_commit: BeforeCommit | None = None,
+               compression: Compression | str | None = None) -> AsyncSaveResponse:
     """Save a (sharded) state dict in the background; collective over the
     group, like :func:`dcp.save`, whose checkpoints it writes.
 
@@ -514,7 +518,9 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
 
     Args:
         state_dict, checkpoint_id, planner, overwrite, allow_pickle,
-            storage_options: as for :func:`dcp.save`.
+            storage_options, compression: as for :func:`dcp.save` (chunks
+            are compressed by the background process's writer threads, never
+            in the call).
         storage: a ready storage plugin; it is pickled to the background
             process once per save.
         process_group: the group saving together (default group by default).
@@ -550,10 +556,11 @@ def async_save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | N
     if before_commit is not None and coordination == "none":
         raise CheckpointError("before_commit needs a coordinated save (coordination 'gloo' or "
                               "'file'): with 'none' each rank commits its own metadata file")
+    policy = resolve(compression)
     pending.wait()
     saver = _saver_for(process_group)
     options = _Options(planner, storage, dict(storage_options or {}), coordination, overwrite,
-                       allow_pickle, blocking_staging, float(timeout), before_commit)
+                       allow_pickle, blocking_staging, float(timeout), before_commit, policy)
     with gc_paused():
         response = saver.save(state_dict, str(checkpoint_id), options,
                               pending.begin(str(checkpoint_id)))

@@ -81,6 +81,7 @@ from dcp.coordination.file_flag import FileCoordinator
 from dcp.coordination.independent import IndependentSave
 from dcp.coordination.plan_cache import CacheEntry, PlanCache
 from dcp.coordination.store_exchange import StoreCoordinator
+from dcp.core.compression import Compression
 from dcp.core.metadata import Metadata
 from dcp.core.planner import SavePlanner, default_planner
 from dcp.core.storage import StoragePlugin, open_storage
@@ -149,6 +150,7 @@ class SaveJob:
     layout: Layout | None
     plan_entries: list[CacheEntry]
     error: CheckpointError | None
+    compression: Compression | None = None
 
 
 @dataclass
@@ -555,14 +557,15 @@ class Persister:
 
             if job.coordination == "none":
                 local = LocalCoordinator(job.rank, job.world_size)
-                independent = IndependentSave(describe, storage, planner, local, job.overwrite)
+                independent = IndependentSave(describe, storage, planner, local, job.overwrite,
+                                              compression=job.compression)
                 metadata = independent.run(job.save_id)
                 outcome = Outcome(job.seq, metadata)
             else:
                 coord = self._coordinator(job, storage)
                 joined = True
                 save = _Save(describe, storage, planner, coord, job.overwrite,
-                             _announced(committing, job.before_commit))
+                             _announced(committing, job.before_commit), job.compression)
                 if isinstance(coord, FileCoordinator):
                     cleanup = coord.close
                     failed = _closing(coord, save)

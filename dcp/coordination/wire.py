@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from dcp.core.compression import FrameIndex
 from dcp.core.metadata import ChunkMeta, Metadata
 from dcp.core.metadata import decode as decode_metadata
 from dcp.core.metadata import encode as encode_metadata
@@ -445,9 +446,35 @@ def _result_columns(doc: dict, section: Section, strings: list[str]) -> ResultCo
         _keyed_columns(doc["replicas"], section, strings, "replicas"))
 
 
+Frames = dict[tuple[str, tuple[int, ...]], FrameIndex]
+
+
+def _frames_to_wire(frames: Frames) -> list:
+    """A result's frame indexes: ``[fqn, offsets, frame_bytes, stored,
+    kinds, crcs]`` per compressed chunk."""
+    return [[fqn, list(offsets), f.frame_bytes, list(f.stored), list(f.kinds), list(f.crcs)]
+            for (fqn, offsets), f in frames.items()]
+
+
+def _frames_from_wire(rows: Any) -> Frames:
+    if type(rows) is not list:
+        raise ValueError("WriteResult frames: a list expected")
+    out: Frames = {}
+    for row in rows:
+        if (type(row) is not list or len(row) != 6 or type(row[0]) is not str
+                or type(row[2]) is not int
+                or not all(type(c) is list and set(map(type, c)) <= {int}
+                           for c in (row[1], row[3], row[4], row[5]))):
+            raise ValueError("WriteResult frames: [fqn, offsets, frame_bytes, stored, kinds, "
+                             "crcs] rows expected")
+        out[(row[0], tuple(row[1]))] = FrameIndex(row[2], tuple(row[3]), tuple(row[4]),
+                                                  tuple(row[5]))
+    return out
+
+
 def _values_from_wire(doc: dict, section: Section) -> tuple[dict[str, str], dict[str, bytes],
-                                                             dict[str, list[str | int]]]:
-    """A result's JSON values, blobs and paths."""
+                                                             dict[str, list[str | int]], Frames]:
+    """A result's JSON values, blobs, paths and frame indexes."""
     json_values, pickled, paths = doc["json"], doc["pickled"], doc["paths"]
     if (type(json_values) is not dict or type(pickled) is not dict
             or not set(map(type, json_values.values())) <= {str}):
@@ -456,7 +483,7 @@ def _values_from_wire(doc: dict, section: Section) -> tuple[dict[str, str], dict
             type(p) is list and set(map(type, p)) <= {str, int} for p in paths.values()):
         raise ValueError("WriteResult paths: a map of lists of keys expected")
     return (json_values, {k: section.bytes(v, f"blob {k!r}") for k, v in pickled.items()},
-            paths)
+            paths, _frames_from_wire(doc["frames"]))
 
 
 #: The class of decoded write results (:func:`write_result_codec`).
@@ -464,9 +491,10 @@ _DECODED: list[type] = []
 
 
 def _decoded_result(columns: ResultColumns, json_values: dict[str, str],
-                    pickled: dict[str, bytes], paths: dict[str, list[str | int]]) -> Any:
+                    pickled: dict[str, bytes], paths: dict[str, list[str | int]],
+                    frames: Frames) -> Any:
     result = _DECODED[0](chunks=None, fingerprints=None, replicas=None,
-                         json_values=json_values, pickled=pickled, paths=paths)
+                         json_values=json_values, pickled=pickled, paths=paths, frames=frames)
     result.columns = columns
     return result
 
@@ -520,7 +548,8 @@ def write_result_codec(cls: type) -> tuple[Callable[[Any], Any], Callable[..., A
 
     def to_wire(result: Any) -> dict:
         doc = _result_doc(result_columns(result))
-        doc.update(json=result.json_values, pickled=result.pickled, paths=result.paths)
+        doc.update(json=result.json_values, pickled=result.pickled, paths=result.paths,
+                   frames=_frames_to_wire(result.frames))
         return doc
 
     def from_wire(doc: Any, section: Section) -> Any:
@@ -541,8 +570,9 @@ class CachedWriteResult:
     ``file`` (index into ``files``), byte offset ``at`` and checksum
     ``crc`` (-1: none); the fingerprints ``prints`` by row of the final
     plan and ``replicas`` by row of the rank's local plan, as ``(rows,
-    values)``; the non-tensor values and the fqns' paths.  All integer
-    columns are int64 arrays.  Made by :func:`relative_result`, made whole again by
+    values)``; the non-tensor values, the fqns' paths and the frame
+    indexes of compressed chunks.  All integer columns are int64 arrays.
+    Made by :func:`relative_result`, made whole again by
     :func:`absolute_result`."""
 
     files: list[str]
@@ -555,6 +585,7 @@ class CachedWriteResult:
     json_values: dict[str, str]
     pickled: dict[str, bytes]
     paths: dict[str, list[str | int]]
+    frames: Frames
 
 
 def _rows_of(plan: SavePlan) -> tuple[dict[tuple[str, tuple[int, ...]], int],
@@ -594,7 +625,7 @@ def relative_result(result: Any, plan: SavePlan, local: SavePlan,
     return CachedWriteResult(files.table, _int64(items), file, _int64(at), _int64(crc),
                              (_int64(prints), _int64(list(result.fingerprints.values()))),
                              (_int64(replicas), _int64(list(result.replicas.values()))),
-                             result.json_values, result.pickled, result.paths)
+                             result.json_values, result.pickled, result.paths, result.frames)
 
 
 def _rows(c: PlanColumns, rows: np.ndarray, flat: np.ndarray) -> np.ndarray:
@@ -634,13 +665,14 @@ def absolute_result(cached: CachedWriteResult, plan: SavePlan, local: SavePlan,
         cached.crc, np.full(len(item), rank, dtype=np.int64),
         (print_fqn, c.ndim[prow], _rows(c, prow, c.offsets), pval),
         (replica_fqn, held.ndim[rrow], _rows(held, rrow, held.offsets), rval))
-    return _decoded_result(columns, cached.json_values, cached.pickled, cached.paths)
+    return _decoded_result(columns, cached.json_values, cached.pickled, cached.paths,
+                           cached.frames)
 
 
 def _cached_to_wire(r: CachedWriteResult) -> dict:
     return {"files": r.files, "item": r.item, "file": r.file, "at": r.at, "crc": r.crc,
             "prints": list(r.prints), "replicas": list(r.replicas), "json": r.json_values,
-            "pickled": r.pickled, "paths": r.paths}
+            "pickled": r.pickled, "paths": r.paths, "frames": _frames_to_wire(r.frames)}
 
 
 def _cached_from_wire(doc: Any, section: Section) -> CachedWriteResult:

@@ -25,16 +25,18 @@ import crc32c
 import numpy as np
 import zstandard
 
-from dcp.errors import CorruptCheckpointError
+from dcp.core.compression import CODECS, FRAME_INDEX_VERSION, FrameIndex, check_index
+from dcp.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "hyperdcp"
 #: The newest format version this build reads and writes.  A document is
 #: written with the lowest version that expresses it (:func:`min_version`),
 #: so builds that read only version 1 still read every checkpoint without
 #: raw blobs; they refuse the others cleanly, by their version.
-#: Version 2 adds raw blobs (``"raw"`` object entries).
-VERSION = 2
-READ_VERSIONS = (1, 2)
+#: Version 2 adds raw blobs (``"raw"`` object entries); version 3 compressed
+#: chunks (a ``"frames"`` section: :mod:`dcp.core.compression`).
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 #: The types a raw blob loads back as (:attr:`ObjectMeta.raw_type`).
 RAW_TYPES = ("bytes", "BytesIO")
 METADATA_FILE = "metadata.json"
@@ -94,6 +96,10 @@ class ChunkMeta:
     order; ``checksum`` is their CRC-32C, or ``None`` where none was recorded
     (chunks of a foreign format presented as a checkpoint, such as a
     safetensors folder: see :mod:`dcp.interop.safetensors_io`); ``rank`` wrote it.
+    ``frames``: where the chunk is compressed, its frames
+    (:class:`~dcp.core.compression.FrameIndex`); it then takes
+    :attr:`stored_nbytes` bytes of ``file`` from ``byte_offset``, and
+    ``nbytes`` and ``checksum`` are those of its logical (decoded) bytes.
     """
 
     offsets: tuple[int, ...]
@@ -103,12 +109,18 @@ class ChunkMeta:
     nbytes: int
     checksum: int | None
     rank: int
+    frames: FrameIndex | None = None
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes the chunk takes in its data file."""
+        return self.nbytes if self.frames is None else self.frames.stored_nbytes
 
     def last_byte(self) -> list[tuple[int, memoryview]]:
         """``read_ranges`` ranges reading only the chunk's last byte: read
         first, it proves the file holds the whole chunk before a buffer of
         the declared size is allocated (crafted metadata)."""
-        return [(self.byte_offset + self.nbytes - 1, memoryview(bytearray(1)))]
+        return [(self.byte_offset + self.stored_nbytes - 1, memoryview(bytearray(1)))]
 
 
 class TensorMeta:
@@ -163,6 +175,23 @@ class TensorMeta:
             return int(store.sizes.prod(axis=1).sum()) * DTYPE_ITEMSIZE[self.dtype]
         return sum(c.nbytes for c in store)
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes its saved chunks take in data files: :attr:`stored_bytes`,
+        fewer where chunks are compressed."""
+        store = self._store
+        if isinstance(store, _ChunkTable) and not store.frames:
+            return self.stored_bytes
+        return sum(c.stored_nbytes for c in self.chunks)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any of its chunks is compressed."""
+        store = self._store
+        if isinstance(store, _ChunkTable):
+            return bool(store.frames)
+        return any(c.frames is not None for c in store)
+
     def files(self) -> set[str]:
         """Data files holding its chunks."""
         store = self._store
@@ -190,7 +219,8 @@ class _ChunkTable:
     """Chunks of one tensor as columns: ``offsets``/``sizes`` int64
     ``[n, ndim]``; ``file`` int64 ``[n]`` indexing ``files``;
     ``byte_offset``, ``checksum``, ``rank`` int64 ``[n]`` (``checksum``
-    :data:`NO_CHECKSUM` for a chunk without one)."""
+    :data:`NO_CHECKSUM` for a chunk without one); ``frames``: the frame
+    index of each compressed chunk, by row."""
 
     offsets: np.ndarray
     sizes: np.ndarray
@@ -199,6 +229,7 @@ class _ChunkTable:
     checksum: np.ndarray
     rank: np.ndarray
     files: list[str]
+    frames: dict[int, FrameIndex] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, chunks: list[ChunkMeta], ndim: int) -> _ChunkTable:
@@ -213,16 +244,17 @@ class _ChunkTable:
             checksum=np.array([NO_CHECKSUM if c.checksum is None else c.checksum for c in chunks],
                               dtype=np.int64),
             rank=np.array([c.rank for c in chunks], dtype=np.int64),
-            files=files)
+            files=files,
+            frames={i: c.frames for i, c in enumerate(chunks) if c.frames is not None})
 
     def rows(self, itemsize: int) -> list[ChunkMeta]:
-        files = self.files
+        files, frames = self.files, self.frames
         return [ChunkMeta(tuple(o), tuple(s), files[f], b, math.prod(s) * itemsize,
-                          None if c == NO_CHECKSUM else c, r)
-                for o, s, f, b, c, r in zip(
+                          None if c == NO_CHECKSUM else c, r, frames.get(i))
+                for i, (o, s, f, b, c, r) in enumerate(zip(
                     self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
                     self.byte_offset.tolist(), self.checksum.tolist(), self.rank.tolist(),
-                    strict=True)]
+                    strict=True))]
 
 
 @dataclass(frozen=True)
@@ -332,6 +364,7 @@ def encode(md: Metadata) -> bytes:
     columns: dict[str, list[np.ndarray]] = {c: [] for c in _COLUMNS}
     pending: dict[str, list[int]] = {c: [] for c in _COLUMNS}  # chunk-list tensors' values
     remaps: dict[int, np.ndarray] = {}  # files list of a table (by id) -> first-seen indices
+    frames: list[tuple[int, FrameIndex]] = []  # (row, index) of each compressed chunk
 
     def flush() -> None:
         for name in _COLUMNS:
@@ -343,7 +376,9 @@ def encode(md: Metadata) -> bytes:
         store = t._store
         if not isinstance(store, _ChunkTable):
             chunks = store
-            for c in chunks:
+            for i, c in enumerate(chunks):
+                if c.frames is not None:
+                    frames.append((start + i, c.frames))
                 pending["offsets"].extend(c.offsets)
                 pending["sizes"].extend(c.sizes)
                 pending["file"].append(index.setdefault(c.file, len(index)))
@@ -363,6 +398,7 @@ def encode(md: Metadata) -> bytes:
                 column = getattr(table, name)
                 columns[name].append((remap[column] if name == "file" else column).reshape(-1))
             count = len(table.file)
+            frames.extend((start + i, f) for i, f in sorted(table.frames.items()))
         tensors[fqn] = {"shape": list(t.shape), "dtype": t.dtype, "rows": [start, count]}
         start += count
     flush()
@@ -400,15 +436,75 @@ def encode(md: Metadata) -> bytes:
         "chunk_table": chunk_table,
         "objects": objects,
     }
+    if frames:
+        doc["frames"] = _frames_doc(frames)
     if md.paths is not None:  # builds that do not know the field ignore it
         doc["paths"] = {fqn: list(p) for fqn, p in md.paths.items()
                         if p != (fqn,) and (fqn in md.tensors or fqn in md.objects)}
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
 
+def _frames_doc(frames: list[tuple[int, FrameIndex]]) -> dict:
+    """The ``frames`` section: the codec, the index format's version, and
+    columns (packed like the chunk table's): per compressed chunk its
+    ``row`` in the chunk table, ``frame_bytes`` and frame ``count``; per
+    frame, in chunk order, its ``stored`` bytes, ``kind`` and ``crc``
+    (CRC-32C of its stored bytes)."""
+    flat = [f for _, index in frames for f in zip(index.stored, index.kinds, index.crcs,
+                                                  strict=True)]
+    doc: dict[str, Any] = {"codec": CODECS[0], "version": FRAME_INDEX_VERSION,
+                           "chunks": len(frames), "frames": len(flat)}
+    for name, values in (("row", [r for r, _ in frames]),
+                         ("frame_bytes", [f.frame_bytes for _, f in frames]),
+                         ("count", [len(f.stored) for _, f in frames]),
+                         ("stored", [v[0] for v in flat]), ("kind", [v[1] for v in flat]),
+                         ("crc", [v[2] for v in flat])):
+        doc[name] = _pack(np.array(values, dtype=np.int64))
+    return doc
+
+
+def _frames_of(value, rows: int, nbytes: np.ndarray, itemsizes: np.ndarray, size: int,
+               where: str) -> dict[int, FrameIndex]:
+    """The ``frames`` section decoded and validated: chunk row -> its
+    :class:`FrameIndex`.  ``nbytes``/``itemsizes``: per row of the chunk
+    table, its logical bytes and item size; ``size``: the document's bytes
+    (bounding every count).  Raises :class:`CheckpointError` for a codec this
+    build does not know, :class:`CorruptCheckpointError` for anything
+    malformed."""
+    section = _dict(value, where, "frames")
+    codec = section.get("codec")
+    if codec not in CODECS:
+        raise CheckpointError(
+            f"{where}: the checkpoint is compressed with codec {codec!r:.40}, which this build "
+            f"cannot read (it reads {', '.join(CODECS)}); load it with a build that knows it")
+    if section.get("version") != FRAME_INDEX_VERSION:
+        _fail(where, f"unsupported frame index version {section.get('version')!r:.40}")
+    chunks = _int(section.get("chunks"), where, "frames.chunks", 0, rows + 1)
+    count = _int(section.get("frames"), where, "frames.frames", 0, size + 1)
+    row, frame_bytes, counts = (_unpack(section, n, chunks, where)
+                                for n in ("row", "frame_bytes", "count"))
+    stored, kind, crc = (_unpack(section, n, count, where) for n in ("stored", "kind", "crc"))
+    if chunks and not (row.min() >= 0 and row.max() < rows and (np.diff(row) > 0).all()):
+        _fail(where, "frames.row must name chunk rows in increasing order")
+    if chunks and not (counts.min() >= 1 and int(counts.sum()) == count):
+        _fail(where, f"frames.count must be positive and add up to {count}")
+    out: dict[int, FrameIndex] = {}
+    starts = np.cumsum(counts) - counts
+    for r, fb, first, n in zip(row.tolist(), frame_bytes.tolist(), starts.tolist(),
+                               counts.tolist(), strict=True):
+        index = FrameIndex(fb, tuple(stored[first:first + n].tolist()),
+                           tuple(kind[first:first + n].tolist()),
+                           tuple(crc[first:first + n].tolist()))
+        check_index(index, int(nbytes[r]), int(itemsizes[r]), f"{where}: chunk row {r}")
+        out[r] = index
+    return out
+
+
 def min_version(md: Metadata) -> int:
-    """The lowest format version that expresses ``md``: 2 if it holds raw
-    blobs, else 1."""
+    """The lowest format version that expresses ``md``: 3 if it holds
+    compressed chunks, 2 if it holds raw blobs, else 1."""
+    if any(t.compressed for t in md.tensors.values()):
+        return 3
     return 2 if any(o.raw is not None for o in md.objects.values()) else 1
 
 
@@ -486,9 +582,12 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
     """Decode and validate metadata bytes.
 
     Raises :class:`~dcp.errors.CorruptCheckpointError` naming ``where`` and
-    the problem for anything that is not a well-formed version-1 document;
-    memory allocated is bounded by a small multiple of ``len(data)``.
-    Versions 1 and 2 are read (:data:`READ_VERSIONS`).
+    the problem for anything that is not a well-formed document, and
+    :class:`~dcp.errors.CheckpointError` naming the codec of compressed
+    chunks this build cannot decode; memory allocated is bounded by a
+    multiple of ``len(data)`` (the frame index: one small Python object per
+    frame, at most ``len(data)`` frames).  Versions 1 to 3 are read
+    (:data:`READ_VERSIONS`).
     """
     try:
         doc = json.loads(data)
@@ -548,6 +647,19 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
         _fail(where, "chunk_table.checksum holds a value that is not a CRC-32C (or -1: none)")
 
     _check_bounds(entries, columns["offsets"], columns["sizes"], where)
+    frames: dict[int, FrameIndex] = {}
+    if "frames" in doc:
+        if version < 3:
+            _fail(where, f"a frames section in a version {version} document")
+        itemsizes = np.repeat([DTYPE_ITEMSIZE[e[2]] for e in entries] or [0],
+                              [e[4] for e in entries] or [0]).astype(np.int64)
+        elements = np.ones(rows, dtype=np.int64)
+        for _, shape, _, start, count, dim0 in entries:
+            if shape:
+                elements[start:start + count] = columns["sizes"][
+                    dim0:dim0 + count * len(shape)].reshape(count, len(shape)).prod(axis=1)
+        frames = _frames_of(doc["frames"], rows, elements * itemsizes, itemsizes, len(data),
+                            where)
     md = Metadata(save_id=save_id, world_size=world_size, version=version)
     for fqn, shape, dtype, start, count, dim0 in entries:
         ndim = len(shape)
@@ -555,8 +667,11 @@ def decode(data: bytes, where: str = METADATA_FILE) -> Metadata:
         sizes = columns["sizes"][dim0:dim0 + count * ndim].reshape(count, ndim)
         file, byte_offset, crc, rank = (columns[n][start:start + count]
                                         for n in ("file", "byte_offset", "checksum", "rank"))
-        md.tensors[fqn] = TensorMeta._from_table(
-            shape, dtype, _ChunkTable(offsets, sizes, file, byte_offset, crc, rank, files))
+        chunk_table = _ChunkTable(offsets, sizes, file, byte_offset, crc, rank, files)
+        if frames:
+            chunk_table.frames = {r - start: frames[r] for r in range(start, start + count)
+                                  if r in frames}
+        md.tensors[fqn] = TensorMeta._from_table(shape, dtype, chunk_table)
 
     def file_at(i, ctx):
         _int(i, ctx, "file index")

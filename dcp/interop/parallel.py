@@ -62,7 +62,7 @@ from dcp.core.metadata import (
 )
 from dcp.core.storage import ALIGNED_CHUNK_BYTES, StoragePlugin, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError
-from dcp.interop.streaming import check_readable, conversion_data
+from dcp.interop.streaming import check_readable, conversion_data, place, read_compressed_chunk
 from dcp.orchestration.save import (
     DATA_SUFFIX,
     commit_metadata,
@@ -308,6 +308,9 @@ def _read_into(storage: StoragePlugin, fqn: str, meta: TensorMeta, out: memoryvi
     meta.check_coverage(fqn, storage.checkpoint_id)
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
     for chunk in meta.chunks:
+        if chunk.frames is not None:  # decoded now (its frames are not byte runs of out)
+            place(read_compressed_chunk(storage, fqn, chunk, itemsize), meta, chunk, out)
+            continue
         pos = 0
         for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
             source = chunk.byte_offset + pos
@@ -563,7 +566,7 @@ class _ReadAhead(Sequence):
             check_readable(self.storage, fqn, meta)  # before its memory is allocated
         keep = contextlib.ExitStack()
         if (cast is None or cast == meta.dtype) and not whole and len(meta.chunks) == 1 \
-                and meta.chunks[0].sizes == meta.shape:
+                and meta.chunks[0].sizes == meta.shape and meta.chunks[0].frames is None:
             chunk = meta.chunks[0]
             mapping = keep.enter_context(self.storage.mapped(chunk.file))
             if mapping is not None:  # the page cache's bytes: checksummed and written, no copy

@@ -396,13 +396,14 @@ def _slice_chunk(c: ChunkMeta, m: TensorMeta, dim: int, start: int,
     """The part of chunk ``c`` inside ``[start, stop)`` of ``dim``, as a
     chunk of the target; ``None`` if none of it is; ``False`` if its bytes
     are not one contiguous run of ``c``'s (a dimension before ``dim`` of
-    size above 1 in the chunk: the slice is then staged)."""
+    size above 1 in the chunk, or a compressed chunk: the slice is then
+    staged)."""
     lo, hi = max(start, c.offsets[dim]), min(stop, c.offsets[dim] + c.sizes[dim])
     if lo >= hi:
         return None
     if lo == c.offsets[dim] and hi == c.offsets[dim] + c.sizes[dim]:
         return _shift(c, dim, -start)
-    if any(s != 1 for s in c.sizes[:dim]):
+    if c.frames is not None or any(s != 1 for s in c.sizes[:dim]):  # compressed: no byte run
         return False
     inner = math.prod(c.sizes[dim + 1:]) * DTYPE_ITEMSIZE[m.dtype]
     sizes, offsets = list(c.sizes), list(c.offsets)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from dcp.core import tensors, unpickler
 from dcp.core.boxes import byte_runs
+from dcp.core.compression import decode_frames
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
     METADATA_FILE,
@@ -149,6 +150,33 @@ def split_file(uri: str) -> tuple[str, str]:
     return root or ".", name
 
 
+def read_compressed_chunk(storage: StoragePlugin, fqn: str, chunk: ChunkMeta,
+                          itemsize: int) -> memoryview:
+    """The logical bytes of compressed ``chunk`` of ``fqn``: its stored
+    bytes read in one request, each frame's CRC-32C checked and the frame
+    decoded (:func:`dcp.core.compression.decode_frames`), then the chunk's
+    CRC-32C of its logical bytes.  Raises :class:`CorruptCheckpointError`
+    naming the tensor, chunk and file."""
+    assert chunk.frames is not None
+    index = chunk.frames
+    where = (f"{fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
+             f"{chunk.byte_offset}) of file {chunk.file!r}")
+    stored = memoryview(bytearray(index.stored_nbytes))
+    try:
+        storage.read_ranges(chunk.file, [(chunk.byte_offset, stored)])
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: reading it failed: {e}") from e
+    out = memoryview(bytearray(chunk.nbytes))
+    starts = index.stored_offsets()
+    decode_frames(index, range(len(starts)),
+                  [stored[s:s + n] for s, n in zip(starts, index.stored, strict=True)], out,
+                  itemsize, where)
+    if chunk.checksum is not None and checksum(out) != chunk.checksum:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch of its decoded bytes: the "
+                                     f"checkpoint is corrupted")
+    return out
+
+
 def check_readable(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> None:
     """Read the last byte of each chunk of ``fqn``, so that a short file (or
     a crafted size) raises before its tensor's memory is allocated.  Raises
@@ -180,6 +208,9 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
     view = tensors.byte_view(out)
     itemsize = DTYPE_ITEMSIZE[meta.dtype]
     for chunk in meta.chunks:
+        if chunk.frames is not None:  # decoded, checked, then placed
+            place(read_compressed_chunk(storage, fqn, chunk, itemsize), meta, chunk, view)
+            continue
         ranges, pos = [], 0
         for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes, itemsize):
             ranges.append((chunk.byte_offset + pos, view[start:start + length]))
@@ -200,6 +231,16 @@ def read_tensor(storage: StoragePlugin, fqn: str, meta: TensorMeta) -> torch.Ten
                     f"(bytes {chunk.byte_offset}..{chunk.byte_offset + chunk.nbytes} of file "
                     f"{chunk.file!r}): the checkpoint is corrupted")
     return out
+
+
+def place(data: memoryview, meta: TensorMeta, chunk: ChunkMeta, out: memoryview) -> None:
+    """Copy a chunk's row-major bytes ``data`` into ``out``, the whole
+    tensor's."""
+    pos = 0
+    for start, length in byte_runs(meta.shape, chunk.offsets, chunk.sizes,
+                                   DTYPE_ITEMSIZE[meta.dtype]):
+        out[start:start + length] = data[pos:pos + length]
+        pos += length
 
 
 def read_blob(storage: StoragePlugin, fqn: str, ref: BlobRef) -> bytes:

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from dcp.asynchronous.async_save import AsyncSaveResponse, async_save, prestart_async_worker
 from dcp.coordination.collectives import coordination_group
+from dcp.core.compression import Compression, resolve
 from dcp.core.metadata import Metadata
 from dcp.core.storage import checkpoint_uri, open_storage
 from dcp.errors import (
@@ -135,7 +136,7 @@ class CheckpointManager:
         async_save: save with :func:`dcp.async_save` (one save in flight);
             the background save process is started at construction
             (:func:`dcp.prestart_async_worker`), so no save waits for it.
-        storage_options, coordination, process_group: as for
+        storage_options, coordination, process_group, compression: as for
             :func:`dcp.async_save` (``coordination`` ``"gloo"`` or ``"file"``).
         save_on_preemption: on SIGTERM to any rank, every rank saves the
             step of its next :meth:`save` call synchronously, then
@@ -182,8 +183,11 @@ class CheckpointManager:
                  exclude_from_loading: tuple[str, ...] = (),
                  initial_load_path: str | None = None, model_key: str = "model",
                  export_dtype: torch.dtype | None = None, blocking_staging: bool = True,
-                 timeout: float = 600.0, memory: MemoryTier | None = None) -> None:
+                 timeout: float = 600.0, memory: MemoryTier | None = None,
+                 compression: Compression | str | None = None) -> None:
         self.root = checkpoint_uri(str(root))
+        #: how the steps' chunks are compressed (None: not at all)
+        self.compression = resolve(compression)
         self.storage_options = dict(storage_options or {})
         if coordination not in ("gloo", "file"):
             raise CheckpointError(f"{self.root!r}: the manager saves with coordination 'gloo' "
@@ -437,7 +441,8 @@ class CheckpointManager:
         if not asynchronous:
             try:
                 sync_save(composed, uri, process_group=self.process_group,
-                          storage_options=self.storage_options, before_commit=name)
+                          storage_options=self.storage_options, before_commit=name,
+                          compression=self.compression)
             except CheckpointError as e:
                 raise CheckpointError(f"step {step}: {e}") from e
             self._committed()
@@ -460,7 +465,7 @@ class CheckpointManager:
                               coordination=self.coordination,
                               storage_options=self.storage_options,
                               blocking_staging=self.blocking_staging, timeout=self.timeout,
-                              before_commit=name)
+                              before_commit=name, compression=self.compression)
         self._in_flight = (step, response, done)
         response.add_done_callback(finished)
 
@@ -547,7 +552,8 @@ class CheckpointManager:
             name = NamePointer(self.root, saved, self.storage_options)
             try:
                 sync_save(view, self.step_uri(saved), process_group=tier.persist_group,
-                          storage_options=self.storage_options, before_commit=name)
+                          storage_options=self.storage_options, before_commit=name,
+                          compression=self.compression)
             except CheckpointError as e:
                 raise CheckpointError(f"step {saved}: persisting the memory step to "
                                       f"{self.step_uri(saved)!r} failed: {e}") from e

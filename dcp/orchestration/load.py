@@ -27,7 +27,11 @@ checks every read that covers a whole chunk, including chunks read whole
 because their gaps were cheaper to read than to skip — a read of part of a
 chunk cannot be checked without reading the rest of it; ``"all"`` reads whole chunks where
 parts are needed, so every loaded byte is checked; ``"none"`` checks
-nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.
+nothing.  ``hyperdcp verify`` checks a whole checkpoint offline.  Of a
+compressed chunk (:mod:`dcp.core.compression`) only the frames covering the
+needed bytes are read; each one's CRC-32C of its stored bytes is checked
+before it is decoded (unless ``"none"``), and the chunk's CRC-32C of its
+logical bytes as above, where the whole chunk is decoded.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.host_exchange import HostExchange, host_key
 from dcp.coordination.independent import read_metadata_bytes
-from dcp.core import devices, read_plan, tensors, unpickler
+from dcp.core import compression, devices, read_plan, tensors, unpickler
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.metadata import DTYPE_ITEMSIZE, METADATA_FILE, ChunkMeta, Metadata, checksum, decode
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, ReadRequest, Transfer, default_planner
@@ -291,7 +295,7 @@ class _Load:
         saved = self.metadata.tensors[item.fqn]
         chunk = saved.chunks[item.chunk]
         dest = self._target_region(item)
-        if not tensors.is_direct_target(dest, saved.dtype):
+        if chunk.frames is not None or not tensors.is_direct_target(dest, saved.dtype):
             return None
         rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
         extent = run_extent(chunk.sizes, rel, item.sizes, DTYPE_ITEMSIZE[saved.dtype])
@@ -553,6 +557,9 @@ class _Load:
             wave: list[_Sink] = []
             held = 0
             for (fqn, number), indices in by_chunk.items():
+                if self.metadata.tensors[fqn].chunks[number].frames is not None:
+                    self._read_framed(name, fqn, number, items, indices, cached, keep, out)
+                    continue
                 sinks = self._sinks(fqn, number, items, indices, cached)
                 if mapping is not None and any(s.whole_chunk or not s.direct for s in sinks):
                     self._from_mapping(name, mapping, fqn, number, items, indices, sinks,
@@ -593,10 +600,62 @@ class _Load:
             with contextlib.suppress(BufferError):  # a traceback still holds a tensor of it
                 view.release()
 
+    def _read_framed(self, name: str, fqn: str, number: int, items: list[ReadItem],
+                     indices: list[int], cached: bool, keep: set[ReadItem], out: list) -> None:
+        """Read the regions ``indices`` of compressed chunk ``number`` of
+        ``fqn``: only the frames covering their bytes (all of them where
+        the chunk is read whole), in the planner's requests over their stored
+        bytes; check each frame's CRC-32C of its stored bytes before decoding
+        it (on this thread, a reader's) into a buffer of the chunk's logical
+        size, whose pages outside the decoded frames are never touched; then
+        the chunk's CRC-32C of its logical bytes where all were decoded."""
+        saved = self.metadata.tensors[fqn]
+        chunk = saved.chunks[number]
+        index = chunk.frames
+        assert index is not None
+        itemsize = DTYPE_ITEMSIZE[saved.dtype]
+        regions = [items[k] for k in indices]
+        whole = (any(i.sizes == chunk.sizes for i in regions)
+                 or self._reads_whole(fqn, number, regions))
+        frames: set[int] = set()
+        if whole:
+            frames.update(range(len(index.stored)))
+        else:
+            for item in regions:
+                rel = [o - c for o, c in zip(item.offsets, chunk.offsets, strict=True)]
+                extent = run_extent(chunk.sizes, rel, item.sizes, itemsize)
+                if extent is not None:
+                    frames.update(index.covering(extent[0], extent[1]))
+        wanted = sorted(frames)
+        starts = index.stored_offsets()
+        stored = [memoryview(bytearray(index.stored[f])) for f in wanted]
+        runs = [read_plan.Run(chunk.byte_offset + starts[f], index.stored[f], k, 0)
+                for k, f in enumerate(wanted)]
+        requests = self.planner.create_requests(runs, self.storage.read_cost)
+        try:
+            self.storage.read_requests(name, _calls(requests, stored))
+        except Exception as e:
+            raise self._read_error(fqn, chunk, e) from e
+        with self.lock:
+            self.counts[cached][0] += sum(r.length for r in requests)
+            self.counts[cached][1] += len(requests)
+        logical = tensors.empty_bytes(chunk.nbytes)
+        view = tensors.byte_view(logical)
+        compression.decode_frames(
+            index, wanted, stored, view, itemsize,
+            f"{fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
+            f"{chunk.byte_offset}) of file {chunk.file!r}", check=self.verify != "none")
+        designated = self.checks is None or (fqn, number) in self.checks
+        check = whole and self.verify != "none" and designated and not cached
+        sink = _Sink(chunk, saved.dtype, indices, chunk.nbytes,
+                     tensors.from_bytes(logical, saved.dtype, chunk.sizes), check, False, True)
+        self._finish(sink, view, items, keep, out)
+
     def _whole_chunk(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
         """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
         regions ``items`` of it: with ``verify="all"`` when they do not cover
-        it, else where the load planner finds it no dearer than their runs."""
+        it, else where the load planner finds it no dearer than their runs
+        (never for a compressed chunk: its covering frames are read)."""
         saved = self.metadata.tensors[fqn]
         chunk = saved.chunks[number]
         partial = [i for i in items if i.sizes != chunk.sizes]
@@ -604,6 +663,8 @@ class _Load:
             return False
         if self.verify == "all":
             return True
+        if chunk.frames is not None:
+            return False
         itemsize = DTYPE_ITEMSIZE[saved.dtype]
         extents = []
         for item in partial:

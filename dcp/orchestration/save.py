@@ -49,6 +49,7 @@ import numpy as np
 from dcp.coordination import wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
+from dcp.core import compression as codec
 from dcp.core import devices, mindspore_tensors, stateful, tensors
 from dcp.core.metadata import (
     DTYPE_ITEMSIZE,
@@ -127,7 +128,8 @@ class WriteResult:
     replicas it holds but did not write whole (``replicas``: of the whole
     held chunk, also when the rank wrote a piece of it), and its non-tensor
     values (JSON text or pickle), and the paths of its fqns where they are
-    not the fqn alone (:attr:`SaveState.paths`)."""
+    not the fqn alone (:attr:`SaveState.paths`); ``frames``: the frame
+    index of each chunk it wrote compressed, by ``(fqn, offsets)``."""
 
     chunks: list[tuple[str, ChunkMeta]] = field(default_factory=list)
     fingerprints: dict[tuple[str, tuple[int, ...]], int] = field(default_factory=dict)
@@ -135,6 +137,7 @@ class WriteResult:
     json_values: dict[str, str] = field(default_factory=dict)
     pickled: dict[str, bytes] = field(default_factory=dict)
     paths: dict[str, list[str | int]] = field(default_factory=dict)
+    frames: dict[tuple[str, tuple[int, ...]], codec.FrameIndex] = field(default_factory=dict)
 
 
 wire.register(WriteResult, *wire.write_result_codec(WriteResult), columnar=True)
@@ -152,9 +155,25 @@ def build_metadata(save_id: str, world_size: int, decls: dict[str, TensorDecl],
     fingerprint of its whole replica with the others'.
     """
     md = _metadata_from_columns(save_id, world_size, decls, results)
-    if md is not None:
-        return md
-    return _metadata_from_objects(save_id, world_size, decls, results)
+    if md is None:
+        md = _metadata_from_objects(save_id, world_size, decls, results)
+    _attach_frames(md, results)
+    return md
+
+
+def _attach_frames(md: Metadata, results: list[WriteResult]) -> None:
+    """Give the chunks of ``md`` the frame indexes of the results that
+    wrote them compressed."""
+    frames: dict[str, dict[tuple[int, ...], codec.FrameIndex]] = defaultdict(dict)
+    for result in results:
+        for (fqn, offsets), index in result.frames.items():
+            frames[fqn][offsets] = index
+    for fqn, by_offsets in frames.items():
+        saved = md.tensors[fqn]
+        table = saved.table()
+        table.frames = {row: by_offsets[tuple(o)]
+                        for row, o in enumerate(table.offsets.tolist()) if tuple(o) in by_offsets}
+        saved._store = table
 
 
 def merge_paths(md: Metadata, results: list[WriteResult]) -> dict[str, tuple[str | int, ...]]:
@@ -553,8 +572,11 @@ class _Save:
 
     def __init__(self, describe: Callable[[], SaveState], storage: StoragePlugin,
                  planner: SavePlanner, coordinator: CoordinatorBase, overwrite: bool,
-                 before_commit: BeforeCommit | None = None) -> None:
+                 before_commit: BeforeCommit | None = None,
+                 compression: codec.Compression | None = None) -> None:
         self.describe = describe
+        #: how the writer threads compress chunks (None: stored as they are)
+        self.compression = compression
         self.storage = storage
         self.planner = planner
         self.coord = coordinator
@@ -566,6 +588,8 @@ class _Save:
         #: the checkpoint's folder did not exist as the save began on this rank
         self.fresh = storage.location_exists() is False
         self.decls: dict[str, TensorDecl] = {}
+        #: the dtype name of each fqn this rank holds (set by :meth:`write`)
+        self.dtypes: dict[str, str] = {}
         self._by_fqn: dict[str, list[tensors.LocalChunk]] | None = None  # built for pieces
         #: host copies of the accelerator items this rank writes, by
         #: ``(fqn, offsets)``, and the samples of its accelerator replicas
@@ -616,6 +640,7 @@ class _Save:
         mine = {(i.fqn, i.offsets) for i in plan.items
                 if chunks.get((i.fqn, i.offsets)) is not None
                 and chunks[(i.fqn, i.offsets)].sizes == i.sizes}  # written whole
+        self.dtypes = {fqn: c.dtype for (fqn, _), c in chunks.items()}
         groups = _balance_files(plan.items, self.storage.thread_count)
         prefix = data_file_prefix(self.coord.rank)
         names = [f"{prefix}{k}.{save_id}{DATA_SUFFIX}" for k in range(len(groups))]
@@ -632,9 +657,10 @@ class _Save:
             batches = [replicas[k::workers] for k in range(workers)]
             hashes = [hashers.submit(self._hash_all, batch) for batch in batches if batch]
             for future in writes:
-                chunks, prints = future.result()
+                chunks, prints, frames = future.result()
                 result.chunks.extend(chunks)
                 result.fingerprints.update(prints)
+                result.frames.update(frames)
             for future in hashes:  # one task per thread: thousands of small replicas are cheap
                 result.replicas.update(future.result())
         return result
@@ -697,19 +723,27 @@ class _Save:
 
     def _write_file(self, name: str, group: list[WriteItem], hashers: ThreadPoolExecutor):
         """Write one data file while ``hashers`` computes its chunks'
-        checksums; returns its chunks' metadata and the fingerprints of those
-        over :data:`REPLICA_SAMPLE_BYTES`."""
+        checksums (of their logical bytes); returns its chunks' metadata, the
+        fingerprints of those over :data:`REPLICA_SAMPLE_BYTES` and the
+        frame indexes of those it compressed (on this thread, the writer's:
+        :attr:`compression`)."""
         buffers: list[memoryview | bytes] = []
         placed, offset = [], 0
         align = self.storage.alignment
+        frames: dict[tuple[str, tuple[int, ...]], codec.FrameIndex] = {}
         for item in group:
             buf = self._bytes(item)
+            parts: list[memoryview | bytes] = [buf]
+            if self.compression is not None and len(buf):
+                dtype = self.dtypes[item.fqn]
+                parts, index = codec.compress(buf, dtype, DTYPE_ITEMSIZE[dtype], self.compression)
+                frames[(item.fqn, item.offsets)] = index
             if len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
                 buffers.append(bytes(align - offset % align))
                 offset += align - offset % align
-            buffers.append(buf)
+            buffers.extend(parts)
             placed.append((item, buf, offset))
-            offset += len(buf)
+            offset += sum(len(p) for p in parts)
         sums = hashers.submit(lambda: [
             (checksum(buf), fingerprint(buf) if len(buf) > REPLICA_SAMPLE_BYTES else None)
             for _, buf, _ in placed])
@@ -726,7 +760,7 @@ class _Save:
                                             self.coord.rank)))
             if sample is not None:
                 prints[(item.fqn, item.offsets)] = sample
-        return out, prints
+        return out, prints, frames
 
     # -- phase 3: commit (coordinator)
     def commit(self, save_id: str, results: list[WriteResult]) -> Metadata:
@@ -830,7 +864,8 @@ class _Save:
 def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = None,
          storage: StoragePlugin | None = None, process_group=None, overwrite: bool = False,
          allow_pickle: bool = False, storage_options: dict | None = None,
-         before_commit: BeforeCommit | None = None) -> Metadata:
+         before_commit: BeforeCommit | None = None,
+         compression: codec.Compression | str | None = None) -> Metadata:
     """Save a (sharded) state dict as one checkpoint; collective over the group.
 
     Args:
@@ -854,6 +889,9 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
             committed: what must be durable before the checkpoint exists
             (the checkpoint manager names the step in its pointer there).
             Raising fails the save on every rank: nothing is committed.
+        compression: compress tensor chunks losslessly: ``"zstd"`` or a
+            :class:`dcp.Compression` (level, frame size); ``None`` (the
+            default) stores them as they are.  See ``docs/compression.md``.
 
     A save waits first for this process's :func:`dcp.async_save` in flight,
     if any (one save in flight per job).  A save of a structure this group
@@ -869,13 +907,14 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
         fault, if anything fails (ranks that passed different checkpoint
         ids: each id and its ranks); nothing is committed then.
     """
+    policy = codec.resolve(compression)
     pending.wait()
     coordinator = Coordinator(process_group)
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else cast(SavePlanner, default_planner("save"))
     job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
-                overwrite, before_commit)
+                overwrite, before_commit, policy)
     with gc_paused():
         if coordinator.world_size == 1:  # nothing to exchange
             return job.run()

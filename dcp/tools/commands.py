@@ -140,10 +140,13 @@ def _inspect(args) -> int:
             "world_size": md.world_size, "stored_bytes": md.stored_bytes,
             "unique_bytes": md.unique_bytes, "files": sorted(md.files()),
             "tensors": {fqn: {"shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
+                              "file_bytes": t.file_bytes,
                               "ranks": sorted({c.rank for c in t.chunks}), "chunks": [
                 {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
                  "byte_offset": c.byte_offset, "nbytes": c.nbytes, "checksum": c.checksum,
-                 "rank": c.rank} for c in t.chunks]} for fqn, t in md.tensors.items()},
+                 "rank": c.rank, "file_nbytes": c.stored_nbytes,
+                 "frames": None if c.frames is None else len(c.frames.stored)}
+                for c in t.chunks]} for fqn, t in md.tensors.items()},
             "objects": {fqn: ("<pickled>" if o.pickled else o.value)
                         for fqn, o in md.objects.items()},
         }
@@ -156,13 +159,17 @@ def _inspect(args) -> int:
           f"{len(md.files())} files")
     for fqn, t in md.tensors.items():
         ranks = sorted({c.rank for c in t.chunks})
-        print(f"  {fqn}: {t.dtype}{list(t.shape)} {t.nbytes} B, {len(t.chunks)} chunk(s), "
-              f"written by rank(s) {ranks}")
+        packed = (f" ({t.file_bytes} B in files, {t.stored_bytes / max(1, t.file_bytes):.2f}x "
+                  f"zstd)" if t.compressed else "")
+        print(f"  {fqn}: {t.dtype}{list(t.shape)} {t.nbytes} B{packed}, {len(t.chunks)} "
+              f"chunk(s), written by rank(s) {ranks}")
         if args.chunks:
             for c in t.chunks:
                 crc = "no checksum" if c.checksum is None else f"{CHECKSUM} {c.checksum:#010x}"
+                frames = "" if c.frames is None else f", {len(c.frames.stored)} zstd frames"
                 print(f"    at {list(c.offsets)} size {list(c.sizes)}: {c.file} "
-                      f"[{c.byte_offset}, {c.byte_offset + c.nbytes}) {crc}, rank {c.rank}")
+                      f"[{c.byte_offset}, {c.byte_offset + c.stored_nbytes}) {crc}, rank "
+                      f"{c.rank}{frames}")
     for fqn, o in md.objects.items():
         print(f"  {fqn}: {'<pickled>' if o.pickled else repr(o.value)[:80]}")
     return 0

@@ -73,9 +73,17 @@ def _pieces(md: Metadata) -> dict[str, list[_Piece]]:
     by_file: dict[str, list[_Piece]] = {}
     for fqn, t in md.tensors.items():
         for c in t.chunks:
-            by_file.setdefault(c.file, []).append(_Piece(
-                f"tensor {fqn!r} chunk at offsets {list(c.offsets)}", c.file, c.byte_offset,
-                c.nbytes, c.checksum))
+            what = f"tensor {fqn!r} chunk at offsets {list(c.offsets)}"
+            if c.frames is None:
+                by_file.setdefault(c.file, []).append(_Piece(
+                    what, c.file, c.byte_offset, c.nbytes, c.checksum))
+                continue
+            # a compressed chunk: each frame's CRC-32C covers its stored bytes
+            for f, (start, size, crc) in enumerate(zip(c.frames.stored_offsets(),
+                                                       c.frames.stored, c.frames.crcs,
+                                                       strict=True)):
+                by_file.setdefault(c.file, []).append(_Piece(
+                    f"{what}, frame {f}", c.file, c.byte_offset + start, size, crc))
     for fqn, o in md.objects.items():
         b = o.blob  # raw or pickled bytes
         if b is not None:
