@@ -124,7 +124,7 @@ class DefaultSavePlanner(SavePlanner):
                         f"{list(first.sizes)} on rank {holders[key][0]} but {list(item.sizes)} "
                         f"on rank {rank}")
                 holders[key].append(rank)
-        _check_coverage(decls, items)
+        _check_coverage(decls, items, holders)
 
         pinned = [0] * len(plans)
         single: list[list[WriteItem]] = [[] for _ in plans]
@@ -215,16 +215,60 @@ def _merge_decls(plans: list[SavePlan]) -> dict[str, TensorDecl]:
     return decls
 
 
-def _check_coverage(decls: dict[str, TensorDecl], items: dict) -> None:
-    """The distinct chunks of each tensor must add up to the whole tensor."""
+def _check_coverage(decls: dict[str, TensorDecl], items: dict,
+                    holders: dict[_Key, list[int]]) -> None:
+    """The distinct chunks of each tensor must tile it: no two overlap, and
+    their elements add up to the whole tensor (each box lies inside it, as
+    the ranks check).  A DTensor built with ``DTensor.from_local(...,
+    shape=, stride=)`` over local shards the placements do not give is
+    placed by the placements' offsets, so its boxes overlap: refused here,
+    before anything is written."""
     covered: dict[str, int] = defaultdict(int)
-    for (fqn, _), item in items.items():
-        covered[fqn] += volume(item.sizes)
+    boxes: dict[str, list[_Key]] = defaultdict(list)
+    for key, item in items.items():
+        covered[key[0]] += volume(item.sizes)
+        boxes[key[0]].append(key)
+    for fqn, keys in boxes.items():
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                if _boxes_overlap(a[1], items[a].sizes, b[1], items[b].sizes):
+                    raise CheckpointError(
+                        f"{fqn!r}: the chunk of sizes {list(items[a].sizes)} at offsets "
+                        f"{list(a[1])} on rank(s) {holders[a]} overlaps the chunk of sizes "
+                        f"{list(items[b].sizes)} at offsets {list(b[1])} on rank(s) "
+                        f"{holders[b]}: the ranks' shards do not tile its shape "
+                        f"{list(decls[fqn].shape)} (a DTensor whose local shards are "
+                        f"uneven in a way its placements do not give?)")
     for fqn, decl in decls.items():
         if covered[fqn] != volume(decl.shape):
             raise CheckpointError(
                 f"{fqn!r}: the ranks' chunks cover {covered[fqn]} of its "
-                f"{volume(decl.shape)} elements (shards overlap or are missing)")
+                f"{volume(decl.shape)} elements (shards are missing)")
+
+
+def _boxes_overlap(a_offsets: tuple[int, ...], a_sizes: tuple[int, ...],
+                   b_offsets: tuple[int, ...], b_sizes: tuple[int, ...]) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
+               zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True))
+
+
+def _any_overlap(fqn: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether two of the distinct chunks (rows, grouped by ``fqn``: equal
+    ids adjacent; offsets and sizes padded alike) of one tensor overlap:
+    every pair within a tensor, as columns."""
+    n = len(fqn)
+    if n < 2:
+        return False
+    starts = np.flatnonzero(np.r_[True, fqn[1:] != fqn[:-1]])
+    ends = np.append(starts[1:], n)
+    end_of = np.repeat(ends, np.diff(np.append(starts, n)))
+    later = end_of - np.arange(n) - 1  # how many rows after each, within its tensor
+    if not later.any():
+        return False
+    i = np.repeat(np.arange(n), later)
+    j = i + 1 + (np.arange(len(i)) - np.repeat(np.cumsum(later) - later, later))
+    hi = offsets + sizes
+    return bool(np.any(np.all((offsets[i] < hi[j]) & (offsets[j] < hi[i]), axis=1)))
 
 
 
@@ -338,6 +382,8 @@ class _Columns:
             at = self.index.get(fqn)
             if (int(covered[at]) if at is not None else 0) != math.prod(decl.shape):
                 return None  # the reference names the tensor
+        if _any_overlap(self.fqn[first], self.offsets[first], self.sizes[first]):
+            return None  # the reference names the tensor and the ranks
         group_of = np.empty(n, dtype=np.int64)
         group_of[order] = group_sorted
         single = counts[group_of] == 1

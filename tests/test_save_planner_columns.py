@@ -96,3 +96,20 @@ def test_errors_and_rare_inputs_match():
     same([SavePlan(d, [a, b, a]), SavePlan(d, [a])])  # a rank offering a chunk twice
     same([SavePlan(d, []), SavePlan(d, [a, b])])
     same([SavePlan({"s": TensorDecl((), "float32")}, [WriteItem("s", (), (), 4)])] * 3)
+
+
+def test_overlapping_boxes_of_the_whole_volume_are_refused():
+    """DTensor.from_local(..., shape=(4, 1)) over local shards of 3 and 1
+    rows on 2 ranks: the placements' offsets put them at rows 0 and 2, so
+    they overlap at row 2 and miss row 3 while their elements add up to 4.
+    Refused (naming the tensor and both ranks) instead of committed."""
+    d = {"w": TensorDecl((4, 1), "float32"), "v": TensorDecl((2, 2), "float32")}
+    v0, v1 = WriteItem("v", (0, 0), (2, 1), 8), WriteItem("v", (0, 1), (2, 1), 8)
+    r0 = SavePlan(d, [v0, WriteItem("w", (0, 0), (3, 1), 12)])
+    r1 = SavePlan(d, [v1, WriteItem("w", (2, 0), (1, 1), 4)])
+    message = errors([r0, r1])
+    assert message.startswith("'w': the chunk of sizes [3, 1] at offsets [0, 0] on rank(s) [0] "
+                              "overlaps the chunk of sizes [1, 1] at offsets [2, 0] on rank(s) [1]")
+    tiled = [SavePlan(d, [v0, WriteItem("w", (0, 0), (3, 1), 12)]),
+             SavePlan(d, [v1, WriteItem("w", (3, 0), (1, 1), 4)])]
+    same(tiled)  # the same shards at offsets that tile are planned
