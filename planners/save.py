@@ -253,23 +253,30 @@ def _boxes_overlap(a_offsets: tuple[int, ...], a_sizes: tuple[int, ...],
 
 
 def _any_overlap(fqn: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bool:
-    """Whether two of the distinct chunks (rows, grouped by ``fqn``: equal
-    ids adjacent; offsets and sizes padded alike) of one tensor overlap:
-    every pair within a tensor, as columns."""
-    n = len(fqn)
-    if n < 2:
+    """Whether two of the distinct chunks (rows; offsets and sizes padded
+    alike) of one tensor overlap.  Sorted by tensor and first offset, each
+    chunk is tested against the later ones of its tensor that begin before
+    it ends along dimension 0: the chunks of its row band, not all pairs.
+    ``True`` also where the sort key would not fit 63 bits (the reference
+    decides then)."""
+    n, width = offsets.shape
+    if n < 2 or width == 0:
         return False
-    starts = np.flatnonzero(np.r_[True, fqn[1:] != fqn[:-1]])
-    ends = np.append(starts[1:], n)
-    end_of = np.repeat(ends, np.diff(np.append(starts, n)))
-    later = end_of - np.arange(n) - 1  # how many rows after each, within its tensor
+    lo0, hi0 = offsets[:, 0] + 1, offsets[:, 0] + sizes[:, 0] + 1  # padding is -1
+    span = int(hi0.max()) + 1
+    if span * (int(fqn.max()) + 1) >= 1 << 62:
+        return True
+    order = np.lexsort((lo0, fqn))
+    key = fqn[order] * span + lo0[order]
+    ends = np.searchsorted(key, fqn[order] * span + hi0[order], side="left")
+    later = np.maximum(ends - np.arange(n) - 1, 0)  # candidates after each, in its band
     if not later.any():
         return False
     i = np.repeat(np.arange(n), later)
     j = i + 1 + (np.arange(len(i)) - np.repeat(np.cumsum(later) - later, later))
+    a, b = order[i], order[j]
     hi = offsets + sizes
-    return bool(np.any(np.all((offsets[i] < hi[j]) & (offsets[j] < hi[i]), axis=1)))
-
+    return bool(np.any(np.all((offsets[a] < hi[b]) & (offsets[b] < hi[a]), axis=1)))
 
 
 # --- the vectorized planner -----------------------------------------------------

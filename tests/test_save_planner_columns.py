@@ -113,3 +113,10 @@ def test_overlapping_boxes_of_the_whole_volume_are_refused():
     tiled = [SavePlan(d, [v0, WriteItem("w", (0, 0), (3, 1), 12)]),
              SavePlan(d, [v1, WriteItem("w", (3, 0), (1, 1), 4)])]
     same(tiled)  # the same shards at offsets that tile are planned
+    # 2-D: a column band and two boxes beside it, the last overlapping the band
+    g = {"g": TensorDecl((4, 4), "float32")}
+    band, top = WriteItem("g", (0, 0), (4, 2), 32), WriteItem("g", (0, 2), (2, 2), 16)
+    inside, beside = WriteItem("g", (2, 1), (2, 2), 16), WriteItem("g", (2, 2), (2, 2), 16)
+    assert "overlaps the chunk of sizes [2, 2] at offsets [2, 1] on rank(s) [2]" in errors(
+        [SavePlan(g, [band]), SavePlan(g, [top]), SavePlan(g, [inside])])
+    same([SavePlan(g, [band]), SavePlan(g, [top]), SavePlan(g, [beside])])
