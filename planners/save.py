@@ -124,7 +124,7 @@ class DefaultSavePlanner(SavePlanner):
                         f"{list(first.sizes)} on rank {holders[key][0]} but {list(item.sizes)} "
                         f"on rank {rank}")
                 holders[key].append(rank)
-        _check_coverage(decls, items)
+        _check_coverage(decls, items, holders)
 
         pinned = [0] * len(plans)
         single: list[list[WriteItem]] = [[] for _ in plans]
@@ -215,17 +215,68 @@ def _merge_decls(plans: list[SavePlan]) -> dict[str, TensorDecl]:
     return decls
 
 
-def _check_coverage(decls: dict[str, TensorDecl], items: dict) -> None:
-    """The distinct chunks of each tensor must add up to the whole tensor."""
+def _check_coverage(decls: dict[str, TensorDecl], items: dict,
+                    holders: dict[_Key, list[int]]) -> None:
+    """The distinct chunks of each tensor must tile it: no two overlap, and
+    their elements add up to the whole tensor (each box lies inside it, as
+    the ranks check).  A DTensor built with ``DTensor.from_local(...,
+    shape=, stride=)`` over local shards the placements do not give is
+    placed by the placements' offsets, so its boxes overlap: refused here,
+    before anything is written."""
     covered: dict[str, int] = defaultdict(int)
-    for (fqn, _), item in items.items():
-        covered[fqn] += volume(item.sizes)
+    boxes: dict[str, list[_Key]] = defaultdict(list)
+    for key, item in items.items():
+        covered[key[0]] += volume(item.sizes)
+        boxes[key[0]].append(key)
+    for fqn, keys in boxes.items():
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                if _boxes_overlap(a[1], items[a].sizes, b[1], items[b].sizes):
+                    raise CheckpointError(
+                        f"{fqn!r}: the chunk of sizes {list(items[a].sizes)} at offsets "
+                        f"{list(a[1])} on rank(s) {holders[a]} overlaps the chunk of sizes "
+                        f"{list(items[b].sizes)} at offsets {list(b[1])} on rank(s) "
+                        f"{holders[b]}: the ranks' shards do not tile its shape "
+                        f"{list(decls[fqn].shape)} (a DTensor whose local shards are "
+                        f"uneven in a way its placements do not give?)")
     for fqn, decl in decls.items():
         if covered[fqn] != volume(decl.shape):
             raise CheckpointError(
                 f"{fqn!r}: the ranks' chunks cover {covered[fqn]} of its "
-                f"{volume(decl.shape)} elements (shards overlap or are missing)")
+                f"{volume(decl.shape)} elements (shards are missing)")
 
+
+def _boxes_overlap(a_offsets: tuple[int, ...], a_sizes: tuple[int, ...],
+                   b_offsets: tuple[int, ...], b_sizes: tuple[int, ...]) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
+               zip(a_offsets, a_sizes, b_offsets, b_sizes, strict=True))
+
+
+def _any_overlap(fqn: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether two of the distinct chunks (rows; offsets and sizes padded
+    alike) of one tensor overlap.  Sorted by tensor and first offset, each
+    chunk is tested against the later ones of its tensor that begin before
+    it ends along dimension 0: the chunks of its row band, not all pairs.
+    ``True`` also where the sort key would not fit 63 bits (the reference
+    decides then)."""
+    n, width = offsets.shape
+    if n < 2 or width == 0:
+        return False
+    lo0, hi0 = offsets[:, 0] + 1, offsets[:, 0] + sizes[:, 0] + 1  # padding is -1
+    span = int(hi0.max()) + 1
+    if span * (int(fqn.max()) + 1) >= 1 << 62:
+        return True
+    order = np.lexsort((lo0, fqn))
+    key = fqn[order] * span + lo0[order]
+    ends = np.searchsorted(key, fqn[order] * span + hi0[order], side="left")
+    later = np.maximum(ends - np.arange(n) - 1, 0)  # candidates after each, in its band
+    if not later.any():
+        return False
+    i = np.repeat(np.arange(n), later)
+    j = i + 1 + (np.arange(len(i)) - np.repeat(np.cumsum(later) - later, later))
+    a, b = order[i], order[j]
+    hi = offsets + sizes
+    return bool(np.any(np.all((offsets[a] < hi[b]) & (offsets[b] < hi[a]), axis=1)))
 
 
 # --- the vectorized planner -----------------------------------------------------
@@ -338,6 +389,8 @@ class _Columns:
             at = self.index.get(fqn)
             if (int(covered[at]) if at is not None else 0) != math.prod(decl.shape):
                 return None  # the reference names the tensor
+        if _any_overlap(self.fqn[first], self.offsets[first], self.sizes[first]):
+            return None  # the reference names the tensor and the ranks
         group_of = np.empty(n, dtype=np.int64)
         group_of[order] = group_sorted
         single = counts[group_of] == 1

@@ -96,3 +96,27 @@ def test_errors_and_rare_inputs_match():
     same([SavePlan(d, [a, b, a]), SavePlan(d, [a])])  # a rank offering a chunk twice
     same([SavePlan(d, []), SavePlan(d, [a, b])])
     same([SavePlan({"s": TensorDecl((), "float32")}, [WriteItem("s", (), (), 4)])] * 3)
+
+
+def test_overlapping_boxes_of_the_whole_volume_are_refused():
+    """DTensor.from_local(..., shape=(4, 1)) over local shards of 3 and 1
+    rows on 2 ranks: the placements' offsets put them at rows 0 and 2, so
+    they overlap at row 2 and miss row 3 while their elements add up to 4.
+    Refused (naming the tensor and both ranks) instead of committed."""
+    d = {"w": TensorDecl((4, 1), "float32"), "v": TensorDecl((2, 2), "float32")}
+    v0, v1 = WriteItem("v", (0, 0), (2, 1), 8), WriteItem("v", (0, 1), (2, 1), 8)
+    r0 = SavePlan(d, [v0, WriteItem("w", (0, 0), (3, 1), 12)])
+    r1 = SavePlan(d, [v1, WriteItem("w", (2, 0), (1, 1), 4)])
+    message = errors([r0, r1])
+    assert message.startswith("'w': the chunk of sizes [3, 1] at offsets [0, 0] on rank(s) [0] "
+                              "overlaps the chunk of sizes [1, 1] at offsets [2, 0] on rank(s) [1]")
+    tiled = [SavePlan(d, [v0, WriteItem("w", (0, 0), (3, 1), 12)]),
+             SavePlan(d, [v1, WriteItem("w", (3, 0), (1, 1), 4)])]
+    same(tiled)  # the same shards at offsets that tile are planned
+    # 2-D: a column band and two boxes beside it, the last overlapping the band
+    g = {"g": TensorDecl((4, 4), "float32")}
+    band, top = WriteItem("g", (0, 0), (4, 2), 32), WriteItem("g", (0, 2), (2, 2), 16)
+    inside, beside = WriteItem("g", (2, 1), (2, 2), 16), WriteItem("g", (2, 2), (2, 2), 16)
+    assert "overlaps the chunk of sizes [2, 2] at offsets [2, 1] on rank(s) [2]" in errors(
+        [SavePlan(g, [band]), SavePlan(g, [top]), SavePlan(g, [inside])])
+    same([SavePlan(g, [band]), SavePlan(g, [top]), SavePlan(g, [beside])])
