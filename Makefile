@@ -1,5 +1,5 @@
 # Two entry points, both self-installing on a fresh machine (see README):
-#   make demo   - installs, then runs the main job (`hyperdcp demo`)
+#   make demo   - installs, then runs the main job (`hyperdcp demo`, then `hyperdcp demo --recovery`)
 #   make test   - installs, then runs the whole test suite
 #   make bench  - installs with the bench extra (matplotlib), then runs every benchmark
 #   make lint   - installs with the lint extra (pinned ruff and mypy), then runs both
@@ -44,6 +44,7 @@ install: install-base
 
 demo: install-base
 	$(PY) -m dcp demo
+	$(PY) -m dcp demo --recovery
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests

@@ -6,9 +6,10 @@ Between a sender and a receiver the bytes are one stream (the chunks one
 after the other, in an order both know) cut into pieces of
 :data:`PIECE_BYTES`.  The receiver posts every receive first, straight into
 where the bytes belong (a memory step's copies file, a restore buffer), so
-no exchange can deadlock; the sender packs each piece into one of two
-reused buffers (the 64 MiB of transfer buffers of the memory bound) and
-sends it.  Checksums are the callers' (every received chunk is checked
+no exchange can deadlock; the sender sends a piece that lies within one of
+its buffers as it is, and packs a piece that spans several (small chunks)
+into one of two reused buffers (the 64 MiB of transfer buffers of the
+memory bound).  Checksums are the callers' (every received chunk is checked
 against its CRC-32C before it counts).
 """
 
@@ -42,12 +43,21 @@ def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memo
             works.append(dist.irecv(flat[off:off + n], group=group, group_src=src))
     buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
     pending: list = [None, None]
+    direct: list = []  # sends straight from the callers' buffers, alive until the end
     k = 0
     for dst in sorted(sends):
         parts = [p for p in sends[dst] if len(p)]
         total = sum(len(p) for p in parts)
         cursor = [0, 0]  # part index, offset in it
         for _off, n in _pieces(total):
+            part = parts[cursor[0]] if cursor[0] < len(parts) else memoryview(b"")
+            if len(part) - cursor[1] >= n:  # the piece lies in one part: sent as it is
+                direct.append(dist.isend(torch.frombuffer(part[cursor[1]:cursor[1] + n],
+                                                          dtype=torch.uint8),
+                                         group=group, group_dst=dst))
+                cursor = [cursor[0] + 1, 0] if cursor[1] + n == len(part) else \
+                    [cursor[0], cursor[1] + n]
+                continue
             slot = k % 2
             if pending[slot] is not None:
                 pending[slot].wait()
@@ -66,7 +76,7 @@ def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memo
                     cursor = [cursor[0] + 1, 0]
             pending[slot] = dist.isend(buf, group=group, group_dst=dst)
             k += 1
-    for w in pending:
+    for w in [*pending, *direct]:
         if w is not None:
             w.wait()
     for w in works:

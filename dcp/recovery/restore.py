@@ -161,6 +161,12 @@ def _plan(md: Metadata, leaves: dict, where: str):
     return tasks, blobs, values, missing, (fqns, nbytes, crcs, boxes)
 
 
+def _uninitialized(nbytes: int) -> memoryview:
+    """A writable buffer of ``nbytes`` not zeroed first (every byte of it
+    is overwritten, or the chunk fails its CRC-32C)."""
+    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy().data).cast("B")
+
+
 def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | None,
               storage_options: dict | None = None) -> RestoreReport:
     """Fill ``target`` (as :func:`dcp.load` does: tensors in place, plain
@@ -205,11 +211,14 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
     got: dict[int, torch.Tensor] = {}
     held_here = g.store.held(step) if step in g.store.steps() else {}
 
-    def read_local(cid: int) -> bytearray:
-        buf = bytearray(int(nbytes[cid]))
+    def read_local(cid: int) -> memoryview | None:
+        """Chunk ``cid`` as this host holds it, or ``None`` (not held, or
+        its file truncated or gone)."""
+        n = int(nbytes[cid])
+        buf = _uninitialized(n)
         file, off = held_here.get(cid, ("", 0))
-        if file:
-            g.store.read(step, file, off, memoryview(buf))
+        if n and (not file or g.store.read(step, file, off, buf) != n):
+            return None
         return buf
 
     while True:
@@ -221,7 +230,7 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
             break
         idx, kind, host = idx[active], kind[active], host[active]
         failed: list[int] = []
-        accepted: list[tuple[int, bytearray | memoryview, str]] = []
+        accepted: list[tuple[int, memoryview | None, str]] = []
         for i in idx[(kind == placement.OWN) & (need_rank[idx] == g.rank)].tolist():
             accepted.append((int(need_chunk[i]), read_local(int(need_chunk[i])), "own"))
         peer = kind == placement.PEER
@@ -230,14 +239,15 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
                                    g.rank_host) if len(p_idx) else np.zeros(0, np.int64)
         sends: dict[int, list[memoryview]] = {}
         for i, s in zip(p_idx.tolist(), servers.tolist(), strict=True):
-            if s == g.rank:
+            if s == g.rank:  # a chunk not held here is sent as zeros: its CRC-32C fails
+                held = read_local(int(need_chunk[i]))
                 sends.setdefault(int(need_rank[i]), []).append(
-                    memoryview(read_local(int(need_chunk[i]))))
+                    held if held is not None else memoryview(bytes(int(nbytes[need_chunk[i]]))))
         incoming: dict[int, list[int]] = {}
         for i, s in zip(p_idx.tolist(), servers.tolist(), strict=True):
             if need_rank[i] == g.rank:
                 incoming.setdefault(int(s), []).append(int(need_chunk[i]))
-        recvs = {s: memoryview(bytearray(int(nbytes[ids].sum()))) for s, ids in incoming.items()}
+        recvs = {s: _uninitialized(int(nbytes[ids].sum())) for s, ids in incoming.items()}
         replicate.exchange(sends, recvs, g.group)
         for s, ids in incoming.items():
             off = 0
@@ -246,7 +256,7 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
                 accepted.append((cid, recvs[s][off:off + n], "peer"))
                 off += n
         for cid, buf, source in accepted:
-            if checksum(buf) != int(crcs[cid]):
+            if buf is None or checksum(buf) != int(crcs[cid]):
                 failed.append(cid)
                 continue
             got[cid] = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(

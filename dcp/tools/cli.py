@@ -9,7 +9,9 @@ Subcommands (``hyperdcp SUBCOMMAND --help`` describes each):
 
 * ``hyperdcp demo`` — the main job: a real multi-rank training run through
   ``CheckpointManager``, killed mid-save, resumed under another parallel
-  layout, then preempted by SIGTERM (see :mod:`dcp.tools.demo`).
+  layout, then preempted by SIGTERM (see :mod:`dcp.tools.demo`); ``hyperdcp demo
+  --recovery``: a host lost and the job back from host memory (the memory
+  tier, :mod:`dcp.tools.recovery_demo`).
 * ``hyperdcp inspect URI`` — format and version, writing ranks, and every
   tensor's shape, dtype, bytes, chunks and writers (``--chunks`` lists each
   chunk; ``--json`` for machine-readable output).
@@ -107,6 +109,10 @@ def _in_cli_terms(message: str) -> str:
 
 
 def _demo(argv: list[str]) -> int:
+    if "--recovery" in argv:
+        from dcp.tools import recovery_demo
+
+        return recovery_demo.main(argv)
     from dcp.tools import demo
 
     return demo.main(argv)
@@ -122,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     # listed for --help only: main() hands "demo ..." to the demo's own parser
     sub.add_parser("demo", help="train, SIGKILL mid-save, resume under another layout, last "
-                                "words on SIGTERM (hyperdcp demo --help for its options)",
+                                "words on SIGTERM; --recovery: a host lost, resumed from host "
+                                "memory (hyperdcp demo [--recovery] --help for options)",
                    add_help=False)
 
     common = argparse.ArgumentParser(add_help=False)

@@ -638,6 +638,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--interval", type=int, default=5,
                         help="save every this many steps (default 5); the second job resumes "
                              "from step STEPS - INTERVAL and is preempted at STEPS - 1")
+    parser.add_argument("--recovery", action="store_true",
+                        help="run the recovery demo instead: a host lost, the job back from "
+                             "host memory (hyperdcp demo --recovery --help for its options)")
     parser.add_argument("--worker", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.interval < 2 or args.steps % args.interval or args.steps < 2 * args.interval:
