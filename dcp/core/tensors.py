@@ -39,20 +39,31 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dcp.core import devices
 from dcp.core.metadata import DTYPE_ITEMSIZE
 from dcp.errors import CheckpointError, UnsupportedDtypeError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(value: Any) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing DTensor's package
+    (about 600 modules, 0.6 s): before ``torch.distributed.tensor`` is
+    imported no DTensor can exist."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(value, cls)
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_ITEMSIZE}
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
@@ -217,7 +228,7 @@ def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
     """
     if isinstance(value, ShardedTensor):
         return _sharded_chunks(fqn, value)
-    if isinstance(value, DTensor) and not _on_mesh(value):
+    if is_dtensor(value) and not _on_mesh(value):
         return [_empty_chunk(fqn, value)]
     if _is_checkpointable(value):
         return _checkpointable(fqn, value, save=False) or [_empty_chunk(fqn, value)]
@@ -226,7 +237,9 @@ def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
 
 def _one_chunk(fqn: str, value: Any) -> LocalChunk:
     """The one box of a tensor, DTensor or :class:`TensorShard`."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         local = value._local_tensor
         global_shape = tuple(value.shape)
         sizes, offsets = compute_local_shape_and_global_offset(
@@ -282,7 +295,7 @@ def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
         raise CheckpointError(f"{fqn!r} is on the meta device: it holds no values to save")
     if isinstance(value, ShardedTensor):
         return _sharded_chunks(fqn, value)
-    if isinstance(value, DTensor) and not _on_mesh(value):
+    if is_dtensor(value) and not _on_mesh(value):
         return []
     if _is_checkpointable(value):
         return _checkpointable(fqn, value, save=True)
@@ -301,9 +314,8 @@ def _is_checkpointable(value: Any) -> bool:
     (``LocalShardsWrapper``: TorchRec's sharded embedding tables, several
     shards on a rank).  A plain DTensor has the methods too, over its
     placements: it is described by them here instead."""
-    holder = value._local_tensor if isinstance(value, DTensor) else value
-    return any(hasattr(holder, name) for name in _PROTOCOL) and not isinstance(
-        holder, DTensor)
+    holder = value._local_tensor if is_dtensor(value) else value
+    return any(hasattr(holder, name) for name in _PROTOCOL) and not is_dtensor(holder)
 
 
 def _checkpointable(fqn: str, value: Any, save: bool) -> list[LocalChunk]:
@@ -319,7 +331,7 @@ def _checkpointable(fqn: str, value: Any, save: bool) -> list[LocalChunk]:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    holder: Any = value._local_tensor if isinstance(value, DTensor) else value
+    holder: Any = value._local_tensor if is_dtensor(value) else value
     what = (f"{fqn!r}: {type(holder).__name__} implements torch DCP's checkpointable protocol "
             f"({', '.join(_PROTOCOL)})")
     absent = [name for name in _PROTOCOL if not hasattr(holder, name)]
@@ -391,7 +403,7 @@ def is_meta(value: Any) -> bool:
         value = value.data
     if isinstance(value, ShardedTensor):
         return any(s.tensor.is_meta for s in value.local_shards())
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return value._local_tensor.is_meta
     return isinstance(value, torch.Tensor) and value.is_meta
 
@@ -403,7 +415,7 @@ def _materialize_device(value: Any, device: Any) -> torch.device:
     if device is not None:
         return torch.device(device)
     current = devices.current_device()
-    if current is None or (isinstance(value, DTensor)
+    if current is None or (is_dtensor(value)
                            and value.device_mesh.device_type != current.type):
         return torch.device("cpu")
     return current
@@ -438,9 +450,9 @@ def materialize(value: Any, dtype: str, device: Any = None) -> Any:
         metadata.tensor_properties.dtype = dt
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=value._process_group)
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         local = torch.empty(tuple(value._local_tensor.shape), dtype=dt, device=device)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+        return type(value).from_local(local, value.device_mesh, value.placements, run_check=False,
                                   shape=value.shape, stride=value.stride())
     return torch.empty(tuple(value.shape), dtype=dt, device=device)
 
@@ -454,9 +466,9 @@ def replica_slot(value: Any, rank: int, world_size: int) -> tuple[int, int]:
     counts as held by this rank alone (its replicas are not knowable), as
     does a ``ShardedTensor``'s shard (shards are disjoint)."""
     if isinstance(value, (TensorShard, ShardedTensor)) or (
-            _is_checkpointable(value) and not isinstance(value, DTensor)):
+            _is_checkpointable(value) and not is_dtensor(value)):
         return 0, 1
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         mesh = value.device_mesh
         coordinate: Sequence[int] = mesh.get_coordinate() or ()
         index, count = 0, 1
