@@ -23,7 +23,8 @@ group per layout; per repeat:
 - ``chunks lost``: a persisted step, ``h1`` deleted and the first half of
   ``h0``'s rank-0 data file kept (the chunks past it lost everywhere):
   ``mgr.last_restore.bytes_persistent`` summed over ranks beside the bytes
-  of the lost chunks each rank needs;
+  of the lost chunks (each chunk once: the persistent load reads a chunk
+  that several ranks need once);
 - a training loop (a gloo all-reduce of 4 MiB and a matmul loop calibrated
   to ``STEP_S``) with a memory save every step, beside the same loop with
   no checkpoint: throughput and p95 step time;
@@ -393,8 +394,8 @@ def _summarize(layout: str, ranks: list[dict], shape) -> dict:
     row["steady_x_unique"] = max(s["steady"] for s in mem) / unique
     row["peak_x_unique"] = max(s["peak"] for s in mem) / unique
     cl = [s for r in ranks for s in r["samples"] if s["kind"] == "chunks_lost"]
-    holders = 4 if layout == "replicated" else 2  # ranks that need each lost chunk
-    row["lost_bytes_needed"] = cl[0]["lost"] * holders
+    # each lost chunk is read once from the persistent tier, whichever ranks need it
+    row["lost_bytes_needed"] = cl[0]["lost"]
     row["lost_persistent_bytes"] = sum(s["persistent"] for s in cl)
     row["lost_x_needed"] = row["lost_persistent_bytes"] / max(1, row["lost_bytes_needed"])
     return row
