@@ -179,9 +179,10 @@ def _timed_compare(times: list[float]):
 def _measure(rank: int, world_size: int, layout: str, shape, repeat: int, quick: bool,
              shm: str, root: str) -> dict:
     """This rank's samples (module doc)."""
+    from torch.distributed.checkpoint._pg_transport import PGTransport
+
     import dcp
     from dcp.recovery import sdc
-    from torch.distributed.checkpoint._pg_transport import PGTransport
 
     global _shape
     _shape = shape
@@ -284,7 +285,7 @@ def _measure(rank: int, world_size: int, layout: str, shape, repeat: int, quick:
         work = _Work(STEP_S_QUICK if quick else STEP_S)
         mgr = manager()
         sampler = _Sampler(namespace) if leader else None
-        for i in range(repeat):
+        for _ in range(repeat):
             for kind in ("none", "memory"):
                 if kind == "memory" and sampler is not None and not sampler.is_alive():
                     sampler.start()
