@@ -236,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
             targets += startup.targets(tables["startup"])
         if tables.get("recovery"):
             targets += recovery.targets(tables["recovery"])
-            recovery.print_targets(recovery.targets(tables["recovery"]))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     foreign = foreign_cpu.fraction()
