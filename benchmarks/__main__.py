@@ -36,6 +36,7 @@ from . import (
     async_save,
     convert,
     coordination,
+    recovery,
     s3_load,
     scale,
     small_tensors,
@@ -82,6 +83,10 @@ def _run_startup(config: RunConfig, out: Path) -> list[dict]:
     return startup.run(out, repeat=2 if config.quick else max(10, config.repeat))
 
 
+def _run_recovery(config: RunConfig, out: Path) -> list[dict]:
+    return recovery.run(out, repeat=config.repeat, quick=config.quick, scratch=config.scratch)
+
+
 def _run_coordination(config: RunConfig, out: Path) -> list[dict]:
     return coordination.run(out, repeat=config.repeat, quick=config.quick,
                             scratch=config.scratch)
@@ -104,6 +109,9 @@ TABLES = {
                      coordination.markdown, _run_coordination),
     "startup": ("hyperdcp --version/--help and import dcp, fresh processes, vs import torch",
                 startup.markdown, _run_startup),
+    "recovery": ("memory tier on 4 ranks, 2 simulated hosts: restore after a crash or a lost "
+                 "host vs memcpy and PGTransport, save stall, loop loss, host memory, SDC, "
+                 "bookkeeping at 10,240 ranks", recovery.markdown, _run_recovery),
 }
 
 
@@ -226,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             targets += scale.targets(tables["scale"])
         if tables.get("startup"):
             targets += startup.targets(tables["startup"])
+        if tables.get("recovery"):
+            targets += recovery.targets(tables["recovery"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     foreign = foreign_cpu.fraction()
