@@ -29,9 +29,11 @@ def test_only_committed_steps_count(tmp_path) -> None:
     store.commit(3)  # step 4 was killed before its commit
     assert store.steps() == [3] and store.steps(committed=False) == [3, 4]
     assert store.held(3) == {0: ("r00000.data", 0)}
-    out = memoryview(bytearray(32))
-    assert store.read(3, "r00000.data", 8, out) == 8  # short: the file ends
-    assert bytes(out[:8]) == bytes(range(8, 16))
+    view = store.mapped(3, "r00000.data")
+    assert view is not None and bytes(view[8:40]) == bytes(range(8, 16))  # short: the file ends
+    view[0] = 99  # private pages: the host's bytes stay
+    assert bytes(store.mapped(3, "r00000.data")) == bytes(range(16))
+    assert store.mapped(3, "r00009.data") is None
     (store.step_dir(3) / "held.r00001.json").write_text("{not json")
     (store.step_dir(3) / "held.r00002.json").write_text(json.dumps(
         {"files": [["../escape.data", [1], [0]]]}))
@@ -90,5 +92,4 @@ def test_a_new_save_of_a_step_leaves_nothing_of_an_earlier_one_counting(tmp_path
     assert store.steps() == [5] and store.held(5) == {0: ("r00000.data", 0)}
     assert store.metadata(5).save_id == "new"
     assert store.record_failure(5, "copies damaged") == 1  # the old failure was cleared
-    out = memoryview(bytearray(8))
-    assert store.read(5, "r00000.data", 0, out) == 8 and bytes(out) == b"newbytes"
+    assert bytes(store.mapped(5, "r00000.data")) == b"newbytes"

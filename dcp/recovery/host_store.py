@@ -243,25 +243,24 @@ class HostStore:
                 continue  # a damaged list: its chunks count as not held here
         return out
 
-    def read(self, step: int, file: str, offset: int, out: memoryview) -> int:
-        """Read ``len(out)`` bytes at ``offset`` of ``file`` into ``out``;
-        returns how many were there (fewer for a truncated or missing file)."""
+    def mapped(self, step: int, file: str) -> memoryview | None:
+        """The bytes of ``file`` of ``step``, mapped (no copy; private
+        pages: writing to them changes nothing on the host), or ``None`` if
+        the file is gone.  The mapping lives as long as a view of it.  Bytes
+        beyond the file's size are not in the view, so a truncated file gives
+        a short view, never a ``SIGBUS`` (short of a file truncated while
+        mapped: no process of the run changes a committed step's files)."""
         try:
             fd = os.open(self.step_dir(step) / file, os.O_RDONLY)
         except FileNotFoundError:
-            return 0
+            return None
         try:
-            got = 0
-            while got < len(out):
-                n = os.preadv(fd, [out[got:]], offset + got)
-                if n <= 0:
-                    break
-                got += n
-            return got
+            size = os.fstat(fd).st_size
+            return memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY)) if size else \
+                memoryview(b"")
         finally:
             os.close(fd)
 
-    # -------------------------------------------------------------- failures
     def record_failure(self, step: int, reason: str) -> int:
         """Count a failed restore of ``step``; at the second it is marked
         ``BAD`` (passed over from then on).  Returns the count."""

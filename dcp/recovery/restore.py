@@ -211,15 +211,22 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
     got: dict[int, torch.Tensor] = {}
     held_here = g.store.held(step) if step in g.store.steps() else {}
 
+    maps: dict[str, memoryview | None] = {}
+
     def read_local(cid: int) -> memoryview | None:
-        """Chunk ``cid`` as this host holds it, or ``None`` (not held, or
-        its file truncated or gone)."""
+        """Chunk ``cid`` as this host holds it, a view of its mapped file
+        (no copy: checked, then copied into the target or sent from there),
+        or ``None`` (not held, or its file truncated or gone)."""
         n = int(nbytes[cid])
-        buf = _uninitialized(n)
+        if not n:
+            return memoryview(b"")
         file, off = held_here.get(cid, ("", 0))
-        if n and (not file or g.store.read(step, file, off, buf) != n):
+        if not file:
             return None
-        return buf
+        if file not in maps:
+            maps[file] = g.store.mapped(step, file)
+        whole = maps[file]
+        return whole[off:off + n] if whole is not None and len(whole) >= off + n else None
 
     while True:
         idx = np.flatnonzero(~done)
@@ -242,7 +249,7 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
             if s == g.rank:  # a chunk not held here is sent as zeros: its CRC-32C fails
                 held = read_local(int(need_chunk[i]))
                 sends.setdefault(int(need_rank[i]), []).append(
-                    held if held is not None else memoryview(bytes(int(nbytes[need_chunk[i]]))))
+                    held if held is not None else memoryview(bytearray(int(nbytes[need_chunk[i]]))))
         incoming: dict[int, list[int]] = {}
         for i, s in zip(p_idx.tolist(), servers.tolist(), strict=True):
             if need_rank[i] == g.rank:
