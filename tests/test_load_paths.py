@@ -171,19 +171,26 @@ class _LooksForSmallRegions(PosixStorage):
 class _TrickleCache(_LooksForSmallRegions):
     """The page cache as a rank sees it while other ranks pull a file in:
     each look gives at most ``piece`` more bytes of a region.  Its own
-    reads take a while (``delay`` seconds a call), so the load looks many
-    times before they end."""
+    reads take ``delay`` seconds a call and, however slowly the looks come
+    on a loaded machine, do not end before a look has found every region
+    it asked for whole (at most ``patience`` seconds), so every region is
+    taken by looks while they are in flight."""
 
-    def __init__(self, path, piece, delay):
+    def __init__(self, path, piece, delay, patience=30.0):
         super().__init__(path)
-        self.piece, self.delay = piece, delay
+        self.piece, self.delay, self.patience = piece, delay, patience
+        self.whole: dict[str, bool] = {}  # file -> did its last look find all it asked for
 
     def read_cached(self, name, ranges):
+        self.whole[name] = all(len(b) <= self.piece for _, b in ranges)
         return [super(_TrickleCache, self).read_cached(name, [(o, b[:self.piece])])[0]
                 for o, b in ranges]
 
     def read_requests(self, name, requests):
         time.sleep(self.delay)
+        deadline = time.monotonic() + self.patience
+        while not (self.whole and all(self.whole.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
         super().read_requests(name, requests)
 
 
