@@ -8,7 +8,9 @@ folder, and a replacement host is new processes with an empty folder.
 
 ``python tests/recovery_job.py RANK WORLD PORT ROOT SHM OUT --hosts h0,h0,h1,h1
 [--resume] [--steps A B] [--persist N] [--flip-at K] [--kill-in-replication K]
-[--sample-memory] [--extra NAME]``: optionally resumes (``load_latest``; the restored state is
+[--kill-in-staging K] [--kill-at-commit K] [--stall-serving HOST SECONDS]
+[--restore-timeout S] [--domains h0=a,h1=a,...] [--sample-memory] [--extra NAME]``:
+optionally resumes (``load_latest``; the restored state is
 compared element-exact with what step S holds in an uninterrupted run: every
 value is a pure function of its fqn and the step), then trains steps
 ``A..B`` (the state set to step S's values, then ``mgr.save``), a memory
@@ -17,7 +19,13 @@ rank 1 flips one bit of the replicated tensor before step K's save (silent
 data corruption).  ``--kill-in-replication K``: rank 1 kills itself with
 SIGKILL as step K's memory step starts sending its copies to the other host
 (the launcher then kills the rest, as torchrun does); every rank first waits
-for the persist in flight, so step K-1 is the newest whole step.  ``--sample-memory``:
+for the persist in flight, so step K-1 is the newest whole step.
+``--kill-in-staging K``: rank 1 kills itself while it stages step K (its
+tensors copied, its blobs not).  ``--kill-at-commit K``: rank 0 (its host's
+leader) kills itself as it commits step K, once every other host
+committed it.  ``--stall-serving HOST SECONDS``: in a restore, the ranks of
+HOST send what other hosts ask of them only SECONDS later (a host that
+hangs while serving).  ``--sample-memory``:
 rank 0 samples the bytes its host's namespace holds (allocated blocks of
 every file) every millisecond while training, and reports the peak and the
 bytes once the last step committed.  Each rank writes one JSON object per event
@@ -44,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dcp  # noqa: E402
 from dcp.recovery import replicate  # noqa: E402
+from dcp.recovery.host_store import COMMITTED, HostStore  # noqa: E402
 
 SHAPES = {"rep": (256, 512), "tp": (1024, 256), "dp": (512, 256)}  # fp32: 0.5, 1, 0.5 MiB
 
@@ -134,6 +143,55 @@ def kill_in_replication(step: int, emit, mgr) -> None:
     replicate.exchange = dying
 
 
+def kill_in_staging(step: int, emit, mgr) -> None:
+    """SIGKILL this process while it stages memory step ``step``: its
+    tensors are in its data file, its blobs not yet."""
+    stage = HostStore.stage
+
+    def dying(store, at, name, nbytes):
+        if at == step and name.endswith("-blobs.data"):
+            emit(event="killing", step=step, memory=mgr.memory_steps())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stage(store, at, name, nbytes)
+
+    HostStore.stage = dying  # type: ignore[method-assign]
+
+
+def kill_at_commit(step: int, emit, mgr, others: list[str]) -> None:
+    """SIGKILL this process (a host's leader) as it commits memory step
+    ``step``: its metadata written, its ``COMMITTED`` not, once every host
+    of ``others`` (their step folders) committed the step."""
+    commit = HostStore.commit
+
+    def dying(store, at):
+        if at == step:
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(os.path.join(o, COMMITTED)) for o in others):
+                assert time.monotonic() < deadline, f"the other hosts never committed {step}"
+                time.sleep(0.01)
+            emit(event="killing", step=step, memory=mgr.memory_steps())
+            os.kill(os.getpid(), signal.SIGKILL)
+        commit(store, at)
+
+    HostStore.commit = dying  # type: ignore[method-assign]
+
+
+def stall_serving(seconds: float, emit) -> None:
+    """The chunks this rank serves other hosts in a restore leave only
+    ``seconds`` after they are asked for (a host that hangs while it serves;
+    its own restore and the job's agreement go on)."""
+    send = replicate.send
+
+    def stalled(sends, group, tag=0) -> None:
+        if threading.current_thread().name.startswith("dcp-restore-serve") and any(
+                len(v) for views in sends.values() for v in views):
+            emit(event="stalling", seconds=seconds)
+            time.sleep(seconds)
+        send(sends, group, tag)
+
+    replicate.send = stalled
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     for a in ("rank", "world", "port"):
@@ -147,6 +205,11 @@ def main() -> None:
     p.add_argument("--persist", type=int, default=4)
     p.add_argument("--flip-at", type=int)
     p.add_argument("--kill-in-replication", type=int)
+    p.add_argument("--kill-in-staging", type=int)
+    p.add_argument("--kill-at-commit", type=int)
+    p.add_argument("--stall-serving", nargs=2, metavar=("HOST", "SECONDS"))
+    p.add_argument("--restore-timeout", type=float, default=10.0)
+    p.add_argument("--domains")
     p.add_argument("--sample-memory", action="store_true")
     p.add_argument("--extra")
     args = p.parse_args()
@@ -160,8 +223,11 @@ def main() -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
+    domains = dict(d.split("=") for d in args.domains.split(",")) if args.domains else None
     tier = dcp.MemoryTier(host=host, namespace=os.path.join(args.shm, host), run_id="job",
-                          timeout=60)
+                          timeout=60, restore_timeout=args.restore_timeout, domains=domains)
+    if args.stall_serving is not None and args.stall_serving[0] == host:
+        stall_serving(float(args.stall_serving[1]), emit)
     mgr = dcp.CheckpointManager(args.root, interval=args.persist, keep_latest=0,
                                 save_rng=False, memory=tier)
     state = make_state(rank, world, None)
@@ -175,9 +241,16 @@ def main() -> None:
              source=None if r is None else {
                  "own": r.bytes_own_host, "peer": r.bytes_other_hosts,
                  "persistent": r.bytes_persistent, "refetched": r.chunks_refetched,
-                 "seconds": r.seconds})
+                 "seconds": r.seconds, "late": sorted(set(r.late_holders))})
     if args.kill_in_replication is not None and rank == 1:
         kill_in_replication(args.kill_in_replication, emit, mgr)
+    if args.kill_in_staging is not None and rank == 1:
+        kill_in_staging(args.kill_in_staging, emit, mgr)
+    hosts = args.hosts.split(",")
+    if args.kill_at_commit is not None and rank == 0:  # the leader of its host
+        kill_at_commit(args.kill_at_commit, emit, mgr, [
+            os.path.join(args.shm, h, "job", f"step-{args.kill_at_commit}")
+            for h in dict.fromkeys(hosts) if h != host])
     if args.steps:
         sampler = Sampler(os.path.join(args.shm, host)) if args.sample_memory and rank == 0 \
             else None
@@ -185,7 +258,7 @@ def main() -> None:
             sampler.start()
         for step in range(args.steps[0], args.steps[1] + 1):
             set_step(state, rank, world, step)
-            if args.kill_in_replication == step:
+            if step in (args.kill_in_replication, args.kill_in_staging, args.kill_at_commit):
                 mgr.wait()  # the persist in flight ended: the kill leaves the previous step whole
             if args.flip_at == step and rank == 1:
                 state["model"]["rep"].view(torch.int32)[7, 3] ^= 1 << 5

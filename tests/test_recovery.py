@@ -295,3 +295,87 @@ def test_the_next_memory_saves_commit_while_the_previous_step_persists(ctx):
     dcp.load(persisted, str(root / "step-2"))
     assert torch.equal(persisted["w"].data, values(2)), persisted
     mgr.close()
+
+
+@pytest.mark.timeout(1200)  # six jobs of 4 ranks: about 40 s on an idle 2-core machine
+def test_failure_matrix_kills_hangs_and_racks(tmp: Path) -> None:
+    """Rows 5 (at staging and at commit), 7 and 3 of the matrix, in six jobs
+    of 4 ranks: on hosts h0, h1 (two ranks each), then on four hosts in
+    two racks."""
+    two = ["h0", "h0", "h1", "h1"]
+    everything = REP + TP_BLOCK + DP_BLOCK  # one rank's tensor bytes
+
+    def whole(nbytes: int) -> bool:  # a rank's tensors and its few small blobs
+        return everything <= nbytes <= everything + 4096
+    # row 5 at staging: rank 1 SIGKILLed while it stages step 3 (its
+    # tensors copied, its blobs not): step 2 is the newest whole step
+    rec = job(tmp, "s1", two, "--steps", "1", "3", "--kill-in-staging", "3", kill=True)
+    assert event(rec[1], "killing")["memory"] == [2]
+    # every byte from the own host; then row 5 at commit: rank 0 (h0's
+    # leader) SIGKILLed as it commits step 5, after h1 committed it
+    rec = job(tmp, "s2", two, "--resume", "--steps", "3", "5", "--kill-at-commit", "5",
+              kill=True)
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 2 and res["bad"] == [], (r, res)
+        assert whole(res["source"]["own"]), (r, res)
+        assert res["source"]["peer"] == res["source"]["persistent"] == 0, (r, res)
+    assert event(rec[0], "killing")["memory"] == [4]
+    assert (tmp / "shm" / "h1" / "job" / "step-5" / "COMMITTED").exists()
+    assert not (tmp / "shm" / "h0" / "job" / "step-5" / "COMMITTED").exists()
+    # step 5 committed on h1 alone, which holds it whole (its own chunks,
+    # the data-parallel replicas and copies of h0's tensor-parallel blocks):
+    # h0's ranks take all of it from h1, none from h0's uncommitted files
+    rec = job(tmp, "s3", two, "--resume", "--steps", "6", "8")
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 5 and res["bad"] == [], (r, res)
+        src = res["source"]
+        assert src["persistent"] == 0 and whole(src["own"] + src["peer"]), (r, res)
+        assert src["own"] == 0 if two[r] == "h0" else whole(src["own"]), (r, res)
+        assert event(ranks, "trained")["persistent"] == [4, 8]
+    # row 7: h0 lost and replaced; h1 hangs while it serves (its sends stall
+    # 12 s; its own restore and the agreement go on).  h0's ranks wait 2 s
+    # (restore_timeout) for h1, then take those chunks from the persistent
+    # tier's step 8, and only those; the late bytes land after the restore
+    # in buffers kept for them, while steps 9 and 10 are saved
+    wipe(tmp, "h0")
+    rec = job(tmp, "s4", two, "--resume", "--steps", "9", "10", "--restore-timeout", "2",
+              "--stall-serving", "h1", "12")
+    from_storage = 0
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 8 and res["bad"] == [], (r, res)
+        src = res["source"]
+        from_storage += src["persistent"]
+        if two[r] == "h0":
+            assert src["own"] == src["peer"] == 0 and src["late"] == [2, 3], (r, res)
+            assert src["seconds"] < 10, (r, res)  # not the 12 s stall
+            assert any("did not send their chunks within MemoryTier(restore_timeout=2.0)"
+                       in w and "2 (host h1)" in w for w in res["warnings"]), res
+        else:
+            assert whole(src["own"]) and src["late"] == [], (r, res)
+            assert event(ranks, "stalling")["seconds"] == 12
+        done = event(ranks, "trained")
+        assert done["memory"] == [10] and done["errors"] == [], done
+    # what h0 holds, each byte read once on the host (rep shared by its ranks)
+    unique = REP + 2 * TP_BLOCK + 2 * DP_BLOCK
+    assert unique <= from_storage <= unique + 4096, from_storage
+    # row 3: four hosts in two racks (h0, h1 in a; h2, h3 in b): the copies
+    # of each host's tensor-parallel block go to the other rack; both hosts
+    # of rack a lost (two hosts holding different data-parallel replicas):
+    # every byte from memory
+    racks, four = tmp / "racks", ["h0", "h1", "h2", "h3"]
+    domains = ("--domains", "h0=a,h1=a,h2=b,h3=b")
+    racks.mkdir()
+    job(racks, "r1", four, "--steps", "1", "3", *domains)
+    for host in ("h0", "h1"):
+        wipe(racks, host)
+    rec = job(racks, "r2", four, "--resume", *domains)
+    for r, ranks in enumerate(rec):
+        res = event(ranks, "resume")
+        assert res["step"] == 3 and res["bad"] == [], (r, res)
+        src = res["source"]
+        assert src["persistent"] == 0 and src["own"] + src["peer"] > 0, (r, res)
+        assert (src["own"] == 0) == (four[r] in ("h0", "h1")), (r, res)
+    shutil.rmtree(racks / "shm", ignore_errors=True)

@@ -635,6 +635,15 @@ class CheckpointManager:
                               f"an older step", CheckpointWarning, stacklevel=3)
                 continue
             self.last_restore = reports[0] if reports else None
+            late = sorted(set(self.last_restore.late_holders)) if self.last_restore else []
+            if late:
+                tier = self._tier
+                warnings.warn(
+                    f"{self.root!r}: memory step {found.step}: rank(s) "
+                    f"{', '.join(f'{r} (host {tier.hosts[tier.rank_host[r]]})' for r in late)} "
+                    f"did not send their chunks within MemoryTier(restore_timeout="
+                    f"{tier.tier.restore_timeout}); they came from their next source",
+                    CheckpointWarning, stacklevel=3)
             self._set_newest(found.step)
             self._last_saved = found.step
             return found.step
@@ -910,10 +919,14 @@ class CheckpointManager:
             raise CheckpointError(f"{self.root!r}: the CheckpointManager is closed")
 
     def close(self) -> None:
-        """Wait for the save in flight and retention; restore the SIGTERM handler."""
+        """Wait for the save in flight, retention and a restore's late
+        transfers (:meth:`dcp.recovery.hosts.TierGroup.drain`); restore the
+        SIGTERM handler."""
         if self._closed:
             return
         self.wait()
+        if self._tier is not None:
+            self._tier.drain()
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None

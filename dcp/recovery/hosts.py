@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import threading
 
 import numpy as np
 import torch.distributed as dist
@@ -56,6 +57,24 @@ class TierGroup:
         #: the lowest rank of this host: it commits the host's steps
         self.leader = int(np.flatnonzero(self.rank_host == self.my_host)[0]) == self.rank
         self.store = HostStore(tier.folder, self.run_id, self.host)
+        #: the last tag a restore's transfers used (memory saves use 0)
+        self._tag = 0
+        #: a restore's transfers still in flight (late holders, slow sends)
+        self.transfers: list[threading.Thread] = []
+
+    def next_tag(self) -> int:
+        """A tag no earlier transfer of this group used (collective order:
+        every rank calls it alike), so bytes a late holder sends land in the
+        buffers kept for them, never in a later exchange's."""
+        self._tag += 1
+        return self._tag
+
+    def drain(self) -> None:
+        """Wait for the restores' transfers still in flight (each ends when
+        its bytes land, or at the group's timeout)."""
+        for t in self.transfers:
+            t.join()
+        self.transfers.clear()
 
     def all_gather(self, value) -> list:
         out: list = [None] * self.world_size

@@ -15,6 +15,8 @@ against its CRC-32C before it counts).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -28,19 +30,22 @@ def _pieces(total: int) -> list[tuple[int, int]]:
     return [(o, min(PIECE_BYTES, total - o)) for o in range(0, total, PIECE_BYTES)]
 
 
-def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memoryview],
-             group) -> None:
-    """Send to each peer ``p`` (a rank of ``group``) the bytes of
-    ``sends[p]`` (buffers concatenated) and receive from each peer ``q``
-    exactly ``len(recvs[q])`` bytes into ``recvs[q]``.  Collective over the
-    ranks named; raises what gloo raises (a peer gone, a timeout)."""
-    works = []
+def post_receives(recvs: Mapping[int, memoryview], group, tag: int = 0) -> dict[int, list]:
+    """Post every receive of ``recvs`` (peer ``q`` -> exactly ``len(recvs[q])``
+    bytes into ``recvs[q]``) with ``tag``; returns each peer's works, for
+    :func:`wait_receives`."""
+    posted: dict[int, list] = {}
     for src in sorted(recvs):
         dest = recvs[src]
         flat = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else None
-        for off, n in _pieces(len(dest)):
-            assert flat is not None
-            works.append(dist.irecv(flat[off:off + n], group=group, group_src=src))
+        posted[src] = [dist.irecv(flat[off:off + n], group=group, group_src=src, tag=tag)
+                       for off, n in _pieces(len(dest)) if flat is not None]
+    return posted
+
+
+def send(sends: Mapping[int, Sequence[memoryview]], group, tag: int = 0) -> None:
+    """Send to each peer ``p`` the bytes of ``sends[p]`` (buffers
+    concatenated) with ``tag``, and wait until every piece is sent."""
     buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
     pending: list = [None, None]
     direct: list = []  # sends straight from the callers' buffers, alive until the end
@@ -54,7 +59,7 @@ def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memo
             if len(part) - cursor[1] >= n:  # the piece lies in one part: sent as it is
                 direct.append(dist.isend(torch.frombuffer(part[cursor[1]:cursor[1] + n],
                                                           dtype=torch.uint8),
-                                         group=group, group_dst=dst))
+                                         group=group, group_dst=dst, tag=tag))
                 cursor = [cursor[0] + 1, 0] if cursor[1] + n == len(part) else \
                     [cursor[0], cursor[1] + n]
                 continue
@@ -74,11 +79,63 @@ def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memo
                 cursor[1] += take
                 if cursor[1] == len(part):
                     cursor = [cursor[0] + 1, 0]
-            pending[slot] = dist.isend(buf, group=group, group_dst=dst)
+            pending[slot] = dist.isend(buf, group=group, group_dst=dst, tag=tag)
             k += 1
     for w in [*pending, *direct]:
         if w is not None:
             w.wait()
-    for w in works:
-        if w is not None:
+
+
+def _wait_all(works: list, errors: dict[int, BaseException], src: int) -> None:
+    try:
+        for w in works:
             w.wait()
+    except BaseException as e:  # handed to the caller (a peer gone, gloo's timeout)
+        errors[src] = e
+
+
+def wait_receives(posted: dict[int, list], timeout: float | None = None,
+                  keep: list | None = None) -> list[int]:
+    """Wait for the receives :func:`post_receives` posted; returns the peers
+    whose bytes did not all arrive within ``timeout`` seconds (all of them
+    are waited for when ``None``).  Raises what gloo raises for a peer that
+    did answer (a peer gone).
+
+    gloo's own bounded wait (``Work.wait(timeout)``) closes every pair of
+    the group when it expires, so each peer's receives are waited for on a
+    thread of their own and the caller waits for the threads: a late peer's
+    thread goes on (appended to ``keep``), its buffers alive, until its
+    bytes land or the group's timeout ends it."""
+    if timeout is None:
+        for works in posted.values():
+            for w in works:
+                w.wait()
+        return []
+    errors: dict[int, BaseException] = {}
+    threads = {src: threading.Thread(target=_wait_all, args=(works, errors, src), daemon=True,
+                                     name=f"dcp-receive-from-{src}")
+               for src, works in posted.items()}
+    for t in threads.values():
+        t.start()
+    deadline = time.monotonic() + timeout
+    late = []
+    for src, t in threads.items():
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            late.append(src)
+            if keep is not None:
+                keep.append(t)
+        elif src in errors:
+            raise errors[src]
+    return late
+
+
+def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memoryview],
+             group, tag: int = 0) -> None:
+    """Send to each peer ``p`` (a rank of ``group``) the bytes of
+    ``sends[p]`` (buffers concatenated) and receive from each peer ``q``
+    exactly ``len(recvs[q])`` bytes into ``recvs[q]``.  Collective over the
+    ranks named; raises what gloo raises (a peer gone, a timeout)."""
+    posted = post_receives(recvs, group, tag)
+    send(sends, group, tag)
+    wait_receives(posted)

@@ -16,7 +16,8 @@ step's chunks; each chunk it needs comes from the cheapest source left
 host's memory (served by one of that host's ranks over the tier's group,
 batched), then the persistent tier for that chunk only (a :func:`dcp.load`
 of just those boxes).  Every chunk is checked against its CRC-32C before a
-byte of it is used; a copy that fails the check or is truncated sends the
+byte of it is used; a copy that fails the check or is truncated, or whose
+holder has not sent it within ``MemoryTier.restore_timeout``, sends the
 chunk to its next source.  A step that cannot be restored raises
 :class:`StepUnavailable` on every rank and counts one failure on every host
 holding it (two mark it bad): the caller moves on to the next older step, so
@@ -26,6 +27,7 @@ a state is never a mix of two steps.
 from __future__ import annotations
 
 import io
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -67,8 +69,11 @@ class Found:
 @dataclass
 class RestoreReport:
     """Where a restore's bytes came from (``bytes_own_host``,
-    ``bytes_other_hosts``, ``bytes_persistent``: chunk bytes, checked) and
-    how long it took (``seconds``, wall clock on this rank)."""
+    ``bytes_other_hosts``, ``bytes_persistent``: chunk bytes, checked), how
+    long it took (``seconds``, wall clock on this rank), and the ranks of
+    the tier's group that did not send this rank its chunks within
+    ``MemoryTier.restore_timeout`` (``late_holders``, once per round: those
+    chunks came from their next source)."""
 
     step: int
     bytes_own_host: int = 0
@@ -76,6 +81,7 @@ class RestoreReport:
     bytes_persistent: int = 0
     chunks_refetched: int = 0
     seconds: float = 0.0
+    late_holders: list[int] = field(default_factory=list)
     missing_keys: list[str] = field(default_factory=list)
     materialized: list[str] = field(default_factory=list)
 
@@ -167,6 +173,27 @@ def _uninitialized(nbytes: int) -> memoryview:
     return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy().data).cast("B")
 
 
+def _transfer(g: TierGroup, step: int, sends: dict[int, list[memoryview]],
+              recvs: dict[int, memoryview]) -> set[int]:
+    """One round of a restore's peer transfers, under a tag of its own:
+    the receives posted, this rank's sends on a thread of their own (a rank
+    whose sends are slow still goes on to the round's agreement), then each
+    peer's bytes waited for at most ``restore_timeout`` seconds.  Returns
+    the peers that did not send all in time; their receives, and sends not
+    done by then, go on in :attr:`TierGroup.transfers`."""
+    tag = g.next_tag()
+    deadline = time.monotonic() + g.tier.restore_timeout
+    posted = replicate.post_receives(recvs, g.group, tag)
+    serving = threading.Thread(target=replicate.send, args=(sends, g.group, tag), daemon=True,
+                               name=f"dcp-restore-serve-{step}")
+    serving.start()
+    late = set(replicate.wait_receives(posted, g.tier.restore_timeout, keep=g.transfers))
+    serving.join(max(0.0, deadline - time.monotonic()))
+    if serving.is_alive():
+        g.transfers.append(serving)
+    return late
+
+
 def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | None,
               storage_options: dict | None = None) -> RestoreReport:
     """Fill ``target`` (as :func:`dcp.load` does: tensors in place, plain
@@ -255,8 +282,12 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
             if need_rank[i] == g.rank:
                 incoming.setdefault(int(s), []).append(int(need_chunk[i]))
         recvs = {s: _uninitialized(int(nbytes[ids].sum())) for s, ids in incoming.items()}
-        replicate.exchange(sends, recvs, g.group)
+        late = _transfer(g, step, sends, recvs)
         for s, ids in incoming.items():
+            if s in late:  # passed over for these chunks: their next source
+                report.late_holders.append(s)
+                failed.extend(ids)
+                continue
             off = 0
             for cid in ids:
                 n = int(nbytes[cid])

@@ -53,6 +53,13 @@ class MemoryTier:
             run's memory steps.
         timeout: seconds a memory save's or a restore's transfers may wait
             for a peer (the tier's own gloo group's timeout).
+        restore_timeout: seconds a restore waits for the chunks another
+            host's rank serves it; a holder that has not sent them all by
+            then is passed over for those chunks, which come from their
+            next source (another holder, then the persistent tier), and is
+            named in :attr:`dcp.recovery.restore.RestoreReport.late_holders`
+            (warned by the manager).  Its late bytes land in buffers kept
+            for them until they arrive or ``timeout`` ends them.
         on_corruption: called with the
             :class:`dcp.errors.SilentDataCorruptionError` of a memory save
             instead of raising it from the next manager call.
@@ -66,6 +73,7 @@ class MemoryTier:
     host_bytes: int | None = None
     run_id: str | None = None
     timeout: float = 60.0
+    restore_timeout: float = 10.0
     on_corruption: Callable[[SilentDataCorruptionError], None] | None = field(
         default=None, compare=False)
 
@@ -77,8 +85,9 @@ class MemoryTier:
         if self.host_bytes is not None and self.host_bytes <= 0:
             raise CheckpointError(f"MemoryTier(host_bytes={self.host_bytes!r}): a positive "
                                   f"number of bytes, or None")
-        if self.timeout <= 0:
-            raise CheckpointError(f"MemoryTier(timeout={self.timeout!r}): seconds, > 0")
+        for name in ("timeout", "restore_timeout"):
+            if not getattr(self, name) > 0:
+                raise CheckpointError(f"MemoryTier({name}={getattr(self, name)!r}): seconds, > 0")
 
     @property
     def host_name(self) -> str:
