@@ -37,7 +37,11 @@ the slowest rank's (restores: of the ranks that received; PGTransport: its
 receivers).  The bookkeeping row (find the step's sources and plan them at
 10,240 simulated ranks, the approach of ``tests/test_recovery_placement.py``)
 runs in this process.  The persistent tier is a local folder: its bytes
-are ``RestoreReport.bytes_persistent`` (GETs on S3 are not counted here).
+are ``RestoreReport.bytes_persistent``.  One more row puts it on S3 (moto on
+127.0.0.1 behind :mod:`benchmarks.s3_load`'s request counter; a DP2xTP2
+state of ``S3_SHAPE``, 16 MiB): GETs and GET bytes of a restore with ``h1``
+lost, and with the chunks past the middle of ``h0``'s rank-0 file lost too
+(the GET bytes, metadata included, beside the lost chunks' bytes).
 
 ``run(out_dir)`` returns the rows (also ``out_dir/recovery.json`` and
 ``recovery.md``); ``targets(rows)`` the issue's limits.
@@ -66,6 +70,8 @@ from .report import Column, TargetResult, markdown_table, write_table
 NUM_TENSORS, ROWS, COLS = 16, 2048, 4096
 QUICK = (16, 64, 128)
 SMALL, SMALL_QUICK = (4096, 64, 128), (4096, 4, 8)
+#: the S3 row's state (16 MiB: moto's ranged GETs cost time in proportion to the object)
+S3_SHAPE = (16, 256, 1024)
 HOSTS = ("h0", "h0", "h1", "h1")
 LAYOUTS = ("replicated", "dp2xtp2", "small")
 STEP_S, STEP_S_QUICK, LOOP_STEPS = 0.5, 0.05, 6
@@ -313,21 +319,9 @@ def _measure(rank: int, world_size: int, layout: str, shape, repeat: int, quick:
         mgr.wait()
         mgr.close()
         wipe_h1()
-        lost = 0
-        if rank == 0:
-            step_dir = Path(namespace) / "bench" / f"step-{persisted}"
-            data = step_dir / "r00000.data"
-            cut = data.stat().st_size // 2
-            chunk = nbytes // shape[0]
-            held = json.loads((step_dir / "held.r00000.json").read_bytes())
-            for file, _, offsets in held["files"]:
-                if file == "r00000.data":
-                    lost = sum(chunk for o in offsets if o + chunk > cut)
-            os.truncate(data, cut)
-        lost_t = torch.tensor([lost], dtype=torch.int64)
-        dist.broadcast(lost_t, 0)
+        lost = _cut_rank0(rank, namespace, persisted, nbytes // shape[0])
         r = restore("chunks_lost", ref)
-        samples.append(dict(r, lost=int(lost_t)))
+        samples.append(dict(r, lost=lost))
     finally:
         sdc.compare = original
     return dict(rank=rank, nbytes=nbytes, samples=samples)
@@ -336,6 +330,93 @@ def _measure(rank: int, world_size: int, layout: str, shape, repeat: int, quick:
 def _median(values: list[float]) -> dict:
     return dict(median=statistics.median(values), lo=min(values), hi=max(values),
                 n=len(values))
+
+
+def _cut_rank0(rank: int, namespace: str, step: int, chunk: int) -> int:
+    """Keep the first half of rank 0's data file of memory step ``step``
+    (on rank 0's host; chunks of ``chunk`` bytes): the chunks past it are
+    lost on every host (the other host wiped).  Collective; returns the lost
+    chunks' bytes on every rank."""
+    lost = 0
+    if rank == 0:
+        step_dir = Path(namespace) / "bench" / f"step-{step}"
+        data = step_dir / "r00000.data"
+        cut = data.stat().st_size // 2
+        held = json.loads((step_dir / "held.r00000.json").read_bytes())
+        for file, _, offsets in held["files"]:
+            if file == "r00000.data":
+                lost = sum(chunk for o in offsets if o + chunk > cut)
+        os.truncate(data, cut)
+    lost_t = torch.tensor([lost], dtype=torch.int64)
+    dist.broadcast(lost_t, 0)
+    return int(lost_t)
+
+
+def _measure_s3(rank: int, world_size: int, shape, shm: str, endpoint: str) -> dict:
+    """The persistent tier on S3 (moto, behind the request counter of
+    :mod:`benchmarks.s3_load`), DP2xTP2: a persisted memory step restored
+    with ``h1`` lost (every chunk still in ``h0``'s memory), then with the
+    chunks past the middle of ``h0``'s rank-0 data file lost too; the
+    server's GETs and GET bytes during each restore."""
+    import dcp
+
+    from .s3_load import BUCKET, _credentials, server_counts
+
+    global _shape
+    _shape = shape
+    host = HOSTS[rank]
+    namespace = os.path.join(shm, host)
+    options = _credentials(endpoint)
+    root = f"s3://{BUCKET}/recovery"
+
+    def manager():
+        tier = dcp.MemoryTier(host=host, namespace=namespace, run_id="bench", timeout=300)
+        return dcp.CheckpointManager(root, interval=PERSIST, keep_latest=0, save_rng=False,
+                                     memory=tier, storage_options=options)
+
+    state = _state("dp2xtp2", rank, PERSIST)
+    ref = [t.clone() for t in _locals(state)]
+    nbytes = sum(t.nbytes for t in ref)
+    samples = []
+    for i, kind in enumerate(("s3_host_lost", "s3_chunks_lost")):
+        step = PERSIST * (i + 1)
+        _set(state, ref)
+        mgr = manager()
+        mgr.save(step, state)  # a memory step, persisted
+        mgr.wait()
+        mgr.close()
+        dist.barrier()
+        if rank == 2:
+            shutil.rmtree(namespace, ignore_errors=True)
+        lost = _cut_rank0(rank, namespace, step, nbytes // shape[0]) if i else 0
+        _zero(state)
+        mgr = manager()
+        dist.barrier()
+        if rank == 0:
+            server_counts(endpoint, reset=True)
+        dist.barrier()
+        got = mgr.load_latest(state)
+        dist.barrier()
+        counts = server_counts(endpoint) if rank == 0 else {}
+        r = mgr.last_restore
+        samples.append(dict(kind=kind, step=got, exact=got == step and _exact(state, ref),
+                            persistent=r.bytes_persistent if r else 0, lost=lost,
+                            gets=counts.get("GET", 0), get_bytes=counts.get("GET bytes", 0)))
+        mgr.close()
+    return dict(rank=rank, nbytes=nbytes, samples=samples)
+
+
+def _summarize_s3(ranks: list[dict]) -> dict:
+    row: dict = dict(layout="dp2xtp2, persistent tier on S3", rank_bytes=ranks[0]["nbytes"],
+                     exact=all(s["exact"] for r in ranks for s in r["samples"]))
+    for kind in ("s3_host_lost", "s3_chunks_lost"):
+        per = [s for r in ranks for s in r["samples"] if s["kind"] == kind]
+        row[f"{kind}_persistent_bytes"] = sum(s["persistent"] for s in per)
+        row[f"{kind}_gets"] = sum(s["gets"] for s in per)
+        row[f"{kind}_get_bytes"] = sum(s["get_bytes"] for s in per)
+        row[f"{kind}_lost"] = per[0]["lost"]
+    row["s3_lost_x_needed"] = row["s3_chunks_lost_get_bytes"] / max(1, row["s3_chunks_lost_lost"])
+    return row
 
 
 def _summarize(layout: str, ranks: list[dict], shape) -> dict:
@@ -448,6 +529,15 @@ def run(out_dir: str | Path, *, repeat: int = 3, quick: bool = False,
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(root, ignore_errors=True)
         rows.append(_summarize(layout, ranks, shape))
+    from .s3_load import counting_server
+
+    shm = tempfile.mkdtemp(prefix="hyperdcp-bench-recovery-", dir="/dev/shm")
+    try:
+        with counting_server() as endpoint:
+            ranks = launch(_measure_s3, 4, QUICK if quick else S3_SHAPE, shm, endpoint)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    rows.append(_summarize_s3(ranks))
     rows.append(bookkeeping(repeat=repeat))
     write_table(out_dir, "recovery", rows, markdown(rows))
     return rows
@@ -473,6 +563,10 @@ COLUMNS: list[Column] = [
      lambda r: (f"{r['host_lost_persistent_bytes']:,} / " + (
          f"{r['lost_persistent_bytes']:,} ({r['lost_x_needed']:.3f}×)"
          if "lost_x_needed" in r else "–")) if "crash_s" in r else "–"),
+    ("S3: GETs (GET bytes), host lost / chunks lost (× lost)",
+     lambda r: f"{r['s3_host_lost_gets']} ({r['s3_host_lost_get_bytes']:,}) / "
+               f"{r['s3_chunks_lost_gets']} ({r['s3_chunks_lost_get_bytes']:,}; "
+               f"{r['s3_lost_x_needed']:.3f}×)" if "s3_lost_x_needed" in r else "–"),
     ("stall s (× memcpy)", lambda r: f"{_m(r, 'stall_s')} ({_m(r, 'stall_x_memcpy', '.2f')})"
      if "stall_s" in r else "–"),
     ("loop: step s, throughput lost, p95 added",
@@ -502,6 +596,12 @@ def targets(rows: list[dict]) -> list[TargetResult]:
         if "bookkeeping_s" in r:
             out.append(TargetResult(f"recovery {name}: find + plan s",
                                     r["bookkeeping_s"]["median"], 1.0, timing=True))
+            continue
+        if "s3_lost_x_needed" in r:
+            out += [TargetResult(f"recovery {name}: persistent bytes, host lost",
+                                 r["s3_host_lost_persistent_bytes"], 0, timing=False),
+                    TargetResult(f"recovery {name}: GET bytes × lost chunks' bytes",
+                                 r["s3_lost_x_needed"], 1.05, timing=False)]
             continue
         pg_limit = 0.5 if name == "small" else 1.0
         out.append(TargetResult(f"recovery {name}: host lost × PGTransport",

@@ -297,6 +297,53 @@ def test_the_next_memory_saves_commit_while_the_previous_step_persists(ctx):
     mgr.close()
 
 
+@dist_scenario(world_size=2)
+def test_a_memory_steps_copies_keep_to_the_tiers_bandwidth(ctx):
+    """Hosts h0 and h1, one rank each, each rank's 2 MiB chunk held on its
+    host only (so copied to the other): with ``MemoryTier(bandwidth=4 MiB/s)``
+    the copies go in pieces of 256 KiB, the last one no sooner than 1.75 MiB
+    / 4 MiB/s = 0.44 s after the first, and the step restores exact from the
+    other host's copy.  A bandwidth that differs across ranks is refused on
+    every rank, naming each rank's."""
+    import torch
+    import torch.distributed as dist
+
+    host = f"h{ctx.rank}"
+    rate = 4 << 20
+    tier = dcp.MemoryTier(host=host, namespace=str(ctx.dir / "shm" / host), run_id="job",
+                          timeout=60, bandwidth=rate)
+    mgr = dcp.CheckpointManager(str(ctx.dir / "root"), interval=100, save_rng=False,
+                                memory=tier)
+    mine = torch.arange(1 << 19, dtype=torch.float32) + ctx.rank  # 2 MiB
+    assert mgr.save(1, {"w": dcp.TensorShard(mine.clone(), (1 << 20,), ((1 << 19) * ctx.rank,))})
+    mgr.wait()
+    ms = mgr.last_memory_save
+    assert ms is not None and ms.error is None, ms.error
+    assert ms.seconds - ms.stall_s >= 7 * (256 << 10) / rate, (ms.seconds, ms.stall_s)
+    mgr.close()
+    # h1 lost: rank 1's chunk from h0's copy
+    if ctx.rank == 1:
+        shutil.rmtree(ctx.dir / "shm" / host)
+    dist.barrier()
+    mgr = dcp.CheckpointManager(str(ctx.dir / "root"), interval=100, save_rng=False,
+                                memory=tier)
+    target = {"w": dcp.TensorShard(torch.zeros(1 << 19), (1 << 20,), ((1 << 19) * ctx.rank,))}
+    assert mgr.load_latest(target) == 1
+    r = mgr.last_restore
+    assert r is not None and r.bytes_persistent == 0, r
+    # the chunk and the manager's small per-rank record
+    got, none = (r.bytes_other_hosts, r.bytes_own_host) if ctx.rank else (
+        r.bytes_own_host, r.bytes_other_hosts)
+    assert none == 0 and 2 << 20 <= got <= (2 << 20) + 4096, r
+    assert torch.equal(target["w"].data, mine)
+    mgr.close()
+    with pytest.raises(dcp.CheckpointError, match=r"bandwidth=...\) differs across ranks "
+                       r"\(rank 0: 1000000.0, rank 1: None\)"):
+        dcp.CheckpointManager(str(ctx.dir / "root2"), save_rng=False, memory=dcp.MemoryTier(
+            host=host, namespace=str(ctx.dir / "shm2" / host), run_id="job",
+            bandwidth=1e6 if ctx.rank == 0 else None))
+
+
 @pytest.mark.timeout(1200)  # six jobs of 4 ranks: about 40 s on an idle 2-core machine
 def test_failure_matrix_kills_hangs_and_racks(tmp: Path) -> None:
     """Rows 5 (at staging and at commit), 7 and 3 of the matrix, in six jobs

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import torch.distributed as dist
 
+from dcp.errors import CheckpointError
 from dcp.recovery.host_store import HostStore
 from dcp.recovery.tier import MemoryTier
 
@@ -44,8 +45,15 @@ class TierGroup:
         self.persist_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        names: list = [None] * self.world_size
-        dist.all_gather_object(names, self.host, group=self.group)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (self.host, tier.bandwidth), group=self.group)
+        names = [h for h, _ in gathered]
+        rates = {b for _, b in gathered}
+        if len(rates) > 1:
+            raise CheckpointError(
+                f"MemoryTier(bandwidth=...) differs across ranks ("
+                f"{', '.join(f'rank {r}: {b}' for r, (_, b) in enumerate(gathered))}): every "
+                f"rank sends and receives a memory step's copies in the same pieces")
         #: host names in order of first rank; ``rank_host[r]`` indexes them
         self.hosts: list[str] = list(dict.fromkeys(names))
         index = {h: i for i, h in enumerate(self.hosts)}

@@ -24,28 +24,47 @@ import torch.distributed as dist
 
 #: Bytes of one message; two send buffers of this size at most per rank.
 PIECE_BYTES = 32 << 20
+#: The smallest message of a throttled exchange.
+MIN_PIECE_BYTES = 256 << 10
 
 
-def _pieces(total: int) -> list[tuple[int, int]]:
-    return [(o, min(PIECE_BYTES, total - o)) for o in range(0, total, PIECE_BYTES)]
+def piece_bytes(rate: float | None) -> int:
+    """Bytes of one message: :data:`PIECE_BYTES`, or at a ``rate`` (bytes
+    per second) a twentieth of a second's worth (at least
+    :data:`MIN_PIECE_BYTES`), so a throttled stream goes in even steps."""
+    if rate is None:
+        return PIECE_BYTES
+    return max(MIN_PIECE_BYTES, min(PIECE_BYTES, int(rate / 20)))
 
 
-def post_receives(recvs: Mapping[int, memoryview], group, tag: int = 0) -> dict[int, list]:
+def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
+    return [(o, min(piece, total - o)) for o in range(0, total, piece)]
+
+
+def post_receives(recvs: Mapping[int, memoryview], group, tag: int = 0,
+                  rate: float | None = None) -> dict[int, list]:
     """Post every receive of ``recvs`` (peer ``q`` -> exactly ``len(recvs[q])``
-    bytes into ``recvs[q]``) with ``tag``; returns each peer's works, for
+    bytes into ``recvs[q]``) with ``tag``, in the pieces a sender at ``rate``
+    sends (:func:`piece_bytes`); returns each peer's works, for
     :func:`wait_receives`."""
+    piece = piece_bytes(rate)
     posted: dict[int, list] = {}
     for src in sorted(recvs):
         dest = recvs[src]
         flat = torch.frombuffer(dest, dtype=torch.uint8) if len(dest) else None
         posted[src] = [dist.irecv(flat[off:off + n], group=group, group_src=src, tag=tag)
-                       for off, n in _pieces(len(dest)) if flat is not None]
+                       for off, n in _pieces(len(dest), piece) if flat is not None]
     return posted
 
 
-def send(sends: Mapping[int, Sequence[memoryview]], group, tag: int = 0) -> None:
+def send(sends: Mapping[int, Sequence[memoryview]], group, tag: int = 0,
+         rate: float | None = None) -> None:
     """Send to each peer ``p`` the bytes of ``sends[p]`` (buffers
-    concatenated) with ``tag``, and wait until every piece is sent."""
+    concatenated) with ``tag``, and wait until every piece is sent.  At a
+    ``rate`` (bytes per second, all peers together) each piece leaves no
+    sooner than the bytes before it allow."""
+    piece = piece_bytes(rate)
+    start, sent = time.monotonic(), 0
     buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
     pending: list = [None, None]
     direct: list = []  # sends straight from the callers' buffers, alive until the end
@@ -54,7 +73,10 @@ def send(sends: Mapping[int, Sequence[memoryview]], group, tag: int = 0) -> None
         parts = [p for p in sends[dst] if len(p)]
         total = sum(len(p) for p in parts)
         cursor = [0, 0]  # part index, offset in it
-        for _off, n in _pieces(total):
+        for _off, n in _pieces(total, piece):
+            if rate is not None:
+                time.sleep(max(0.0, start + sent / rate - time.monotonic()))
+                sent += n
             part = parts[cursor[0]] if cursor[0] < len(parts) else memoryview(b"")
             if len(part) - cursor[1] >= n:  # the piece lies in one part: sent as it is
                 direct.append(dist.isend(torch.frombuffer(part[cursor[1]:cursor[1] + n],
@@ -67,7 +89,7 @@ def send(sends: Mapping[int, Sequence[memoryview]], group, tag: int = 0) -> None
             if pending[slot] is not None:
                 pending[slot].wait()
             if buffers[slot].numel() < n:
-                buffers[slot] = torch.empty(min(PIECE_BYTES, max(n, total)), dtype=torch.uint8)
+                buffers[slot] = torch.empty(min(piece, max(n, total)), dtype=torch.uint8)
             buf = buffers[slot][:n]
             filled = 0
             while filled < n:
@@ -131,11 +153,13 @@ def wait_receives(posted: dict[int, list], timeout: float | None = None,
 
 
 def exchange(sends: Mapping[int, Sequence[memoryview]], recvs: Mapping[int, memoryview],
-             group, tag: int = 0) -> None:
+             group, tag: int = 0, rate: float | None = None) -> None:
     """Send to each peer ``p`` (a rank of ``group``) the bytes of
     ``sends[p]`` (buffers concatenated) and receive from each peer ``q``
-    exactly ``len(recvs[q])`` bytes into ``recvs[q]``.  Collective over the
-    ranks named; raises what gloo raises (a peer gone, a timeout)."""
-    posted = post_receives(recvs, group, tag)
-    send(sends, group, tag)
+    exactly ``len(recvs[q])`` bytes into ``recvs[q]``, sending at most
+    ``rate`` bytes per second (``None``: as fast as gloo goes; every rank
+    of the exchange passes the same).  Collective over the ranks named;
+    raises what gloo raises (a peer gone, a timeout)."""
+    posted = post_receives(recvs, group, tag, rate)
+    send(sends, group, tag, rate)
     wait_receives(posted)

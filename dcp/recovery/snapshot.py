@@ -420,7 +420,7 @@ class Snapshotter:
             lo = int(offs[0])
             hi = int(offs[-1] + layout.nbytes[ids[-1]])
             recvs[src] = copies.view[lo:hi]
-        replicate.exchange(sends, recvs, g.group)
+        replicate.exchange(sends, recvs, g.group, rate=g.tier.bandwidth)
         bad = [int(c) for ids, offs in layout.copy_in.values()
                for c, o in zip(ids.tolist(), offs.tolist(), strict=True)
                if checksum(copies.view[o:o + int(layout.nbytes[c])]) != chunk_crc[c]]
@@ -508,7 +508,7 @@ class Snapshotter:
                 o, n, _ = mine[c]
                 assert bf is not None
                 sends.setdefault(d, []).append(bf.view[o:o + n])
-            replicate.exchange(sends, recvs, g.group)
+            replicate.exchange(sends, recvs, g.group, rate=g.tier.bandwidth)
             for (c, _), o in zip(incoming, offsets, strict=True):
                 if checksum(target.view[o:o + size[c]]) != chunk_crc[c]:
                     bad.append(c)

@@ -53,6 +53,15 @@ class MemoryTier:
             run's memory steps.
         timeout: seconds a memory save's or a restore's transfers may wait
             for a peer (the tier's own gloo group's timeout).
+        bandwidth: bytes per second each rank may send of a memory step's
+            copies to other hosts (``None``: as fast as the network goes).
+            The copies go in messages of a twentieth of a second's worth,
+            each no sooner than the rate allows, so they leave the network
+            to training's collectives; a memory step then takes at least its
+            copies' bytes / ``bandwidth`` to commit, and the next memory
+            save waits for that.  Checksums, restores and persists are not
+            throttled (a persist goes at its storage's pace).  Every rank
+            must give the same (checked when the manager starts).
         restore_timeout: seconds a restore waits for the chunks another
             host's rank serves it; a holder that has not sent them all by
             then is passed over for those chunks, which come from their
@@ -74,6 +83,7 @@ class MemoryTier:
     run_id: str | None = None
     timeout: float = 60.0
     restore_timeout: float = 10.0
+    bandwidth: float | None = None
     on_corruption: Callable[[SilentDataCorruptionError], None] | None = field(
         default=None, compare=False)
 
@@ -85,6 +95,9 @@ class MemoryTier:
         if self.host_bytes is not None and self.host_bytes <= 0:
             raise CheckpointError(f"MemoryTier(host_bytes={self.host_bytes!r}): a positive "
                                   f"number of bytes, or None")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise CheckpointError(f"MemoryTier(bandwidth={self.bandwidth!r}): bytes per "
+                                  f"second, > 0, or None")
         for name in ("timeout", "restore_timeout"):
             if not getattr(self, name) > 0:
                 raise CheckpointError(f"MemoryTier({name}={getattr(self, name)!r}): seconds, > 0")
