@@ -344,6 +344,44 @@ def test_a_memory_steps_copies_keep_to_the_tiers_bandwidth(ctx):
             bandwidth=1e6 if ctx.rank == 0 else None))
 
 
+@dist_scenario(world_size=2)
+def test_several_chunks_of_one_fqn_a_rank_restore_and_persist(ctx):
+    """A ``ShardedTensor`` with two local shards a rank (rows 0-2 and 4-6 of
+    8 on rank 0, 2-4 and 6-8 on rank 1; hosts h0 and h1): memory step 2,
+    persisted, restores from memory into the same layout, element-exact;
+    the persistent step loads exact into a plain tensor."""
+    import torch
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    full = torch.arange(80, dtype=torch.float32).reshape(8, 10) + 0.5
+    rows = [[(0, 2), (4, 6)], [(2, 4), (6, 8)]][ctx.rank]
+
+    def sharded(source):
+        return init_from_local_shards(
+            [Shard(source[a:b].clone(), ShardMetadata([a, 0], [b - a, 10], f"rank:{ctx.rank}/cpu"))
+             for a, b in rows], 8, 10)
+
+    host = f"h{ctx.rank}"
+    tier = dcp.MemoryTier(host=host, namespace=str(ctx.dir / "shm" / host), run_id="job",
+                          timeout=60)
+    root = ctx.dir / "root"
+    mgr = dcp.CheckpointManager(str(root), interval=2, save_rng=False, memory=tier)
+    assert mgr.save(2, {"st": sharded(full)})
+    mgr.wait()
+    assert mgr.errors == [] and mgr.persistent_steps() == [2], mgr.errors
+    target = {"st": sharded(torch.zeros(8, 10))}
+    assert mgr.load_latest(target) == 2
+    r = mgr.last_restore
+    assert r is not None and r.bytes_persistent == 0 and r.bytes_own_host > 0, r
+    for (a, b), shard in zip(rows, target["st"].local_shards(), strict=True):
+        assert torch.equal(shard.tensor, full[a:b]), (a, b, shard.tensor)
+    mgr.close()
+    plain = {"st": torch.zeros(8, 10)}
+    dcp.load(plain, str(root / "step-2"))
+    assert torch.equal(plain["st"], full), plain["st"]
+
+
 @pytest.mark.timeout(1200)  # six jobs of 4 ranks: about 40 s on an idle 2-core machine
 def test_failure_matrix_kills_hangs_and_racks(tmp: Path) -> None:
     """Rows 5 (at staging and at commit), 7 and 3 of the matrix, in six jobs

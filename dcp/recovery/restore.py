@@ -140,22 +140,22 @@ def _plan(md: Metadata, leaves: dict, where: str):
             if saved is None:
                 missing.append(fqn)
                 continue
-            box = tensors.describe(fqn, leaf.value)
-            if tuple(box.global_shape) != tuple(saved.shape) or box.dtype != saved.dtype:
-                raise CheckpointError(f"{where}: {fqn!r} is saved as {list(saved.shape)} "
-                                      f"{saved.dtype}, the target is {list(box.global_shape)} "
-                                      f"{box.dtype}")
-            if 0 in box.sizes:
-                continue
             ids = by_fqn[fqn]
             offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(len(ids), -1)
             szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(len(ids), -1)
-            rows, lo, size = intersect_many(offs, szs, box.offsets, box.sizes)
-            for row, low, sz in zip(rows, lo, size, strict=True):
-                cid = ids[row]
-                rel_t = [a - b for a, b in zip(low, box.offsets, strict=True)]
-                rel_c = [a - b for a, b in zip(low, boxes[cid][0], strict=True)]
-                tasks.append((cid, tensors.region(box.data, rel_t, sz), rel_c, sz))
+            for box in tensors.load_chunks(fqn, leaf.value):  # a ShardedTensor: several
+                if tuple(box.global_shape) != tuple(saved.shape) or box.dtype != saved.dtype:
+                    raise CheckpointError(f"{where}: {fqn!r} is saved as {list(saved.shape)} "
+                                          f"{saved.dtype}, the target is "
+                                          f"{list(box.global_shape)} {box.dtype}")
+                if 0 in box.sizes:
+                    continue
+                rows, lo, size = intersect_many(offs, szs, box.offsets, box.sizes)
+                for row, low, sz in zip(rows, lo, size, strict=True):
+                    cid = ids[row]
+                    rel_t = [a - b for a, b in zip(low, box.offsets, strict=True)]
+                    rel_c = [a - b for a, b in zip(low, boxes[cid][0], strict=True)]
+                    tasks.append((cid, tensors.region(box.data, rel_t, sz), rel_c, sz))
         elif fqn in md.objects:
             obj = md.objects[fqn]
             if obj.raw is not None:

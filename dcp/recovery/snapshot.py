@@ -577,18 +577,48 @@ def persist_view(g: TierGroup, step: int, info: dict) -> dict:
             opened[file] = memoryview(m) if m is not None else memoryview(b"")
         return opened[file]
 
+    pieces: dict[str, list[TensorShard]] = {}
     for (fqn, offsets), cid in layout.mine.items():
         file, off = held[cid]
         sizes = layout.chunks[cid][2]
         shape, dtype = layout.shapes[fqn]
         data = tensors.readonly_view(view(file)[off:off + int(layout.nbytes[cid])], dtype, sizes)
-        if fqn in state:
-            raise CheckpointError(f"{fqn!r}: this rank holds several chunks of it; the memory "
-                                  f"tier persists one chunk per fqn and rank")
-        state[fqn] = TensorShard(data, shape, offsets)
+        pieces.setdefault(fqn, []).append(TensorShard(data, shape, offsets))
+    for fqn, shards in pieces.items():
+        state[fqn] = shards[0] if len(shards) == 1 else _several_shards(g, layout, fqn, shards)
     for fqn, text in info["json"].items():
         state[fqn] = json.loads(text)
     for fqn, (file, off, n, kind) in info["blobs"].items():
         blob = bytes(view(file)[off:off + n])
         state[fqn] = io.BytesIO(blob) if kind == "BytesIO" else blob
     return state
+
+
+def _several_shards(g: TierGroup, layout: Layout, fqn: str, shards: list[TensorShard]) -> Any:
+    """This rank's several chunks of ``fqn`` as one leaf a save describes
+    chunk by chunk: a ``ShardedTensor`` of those local shards (no copy),
+    over the global metadata of every chunk of ``fqn`` in the layout (each
+    placed on this rank if it holds it, else on another rank).  Built
+    locally: no collective."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    here = {tuple(s.global_offsets) for s in shards}
+    other = (g.rank + 1) % g.world_size
+
+    def placed(offsets, sizes) -> ShardMetadata:
+        rank = g.rank if tuple(offsets) in here else other
+        return ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/cpu")
+
+    local = [Shard(s.data, placed(s.global_offsets, s.data.shape)) for s in shards]
+    every = [placed(o, z) for f, o, z in layout.chunks if f == fqn and 0 not in z]
+    shape = tuple(shards[0].global_shape)
+    meta = ShardedTensorMetadata(every, torch.Size(shape),
+                                 TensorProperties(dtype=shards[0].data.dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, meta, process_group=g.persist_group)
+
