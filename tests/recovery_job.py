@@ -134,11 +134,11 @@ def kill_in_replication(step: int, emit, mgr) -> None:
     """SIGKILL this process as memory step ``step`` sends its copies."""
     exchange = replicate.exchange
 
-    def dying(sends, recvs, group) -> None:
+    def dying(sends, recvs, group, **options) -> None:
         if threading.current_thread().name == f"dcp-memory-step-{step}":
             emit(event="killing", step=step, memory=mgr.memory_steps())
             os.kill(os.getpid(), signal.SIGKILL)
-        exchange(sends, recvs, group)
+        exchange(sends, recvs, group, **options)
 
     replicate.exchange = dying
 
@@ -182,12 +182,12 @@ def stall_serving(seconds: float, emit) -> None:
     its own restore and the job's agreement go on)."""
     send = replicate.send
 
-    def stalled(sends, group, tag=0) -> None:
+    def stalled(sends, group, *args, **options) -> None:
         if threading.current_thread().name.startswith("dcp-restore-serve") and any(
                 len(v) for views in sends.values() for v in views):
             emit(event="stalling", seconds=seconds)
             time.sleep(seconds)
-        send(sends, group, tag)
+        send(sends, group, *args, **options)
 
     replicate.send = stalled
 

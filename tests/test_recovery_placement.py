@@ -68,6 +68,33 @@ def test_sources_try_own_host_then_each_holder_then_persistent() -> None:
     assert int(kind[0]) == PERSISTENT and int(host[0]) == -1
 
 
+def test_the_ranks_of_a_host_serve_equal_bytes_in_few_streams() -> None:
+    # hosts {0,1} {2,3}: host 1 lost; rank 2 needs the even chunks, rank 3
+    # the odd ones (tensor-parallel blocks), all of them on host 0
+    rank_host = _hosts(4, 2)
+    req = np.repeat([2, 3], 16)
+    chunk = np.concatenate([np.arange(0, 32, 2), np.arange(1, 32, 2)])
+    host = np.zeros(32, dtype=np.int64)
+    served = placement.server(host, chunk, req, rank_host, np.full(32, 1 << 20))
+    # one server per requester, each half of the bytes (not every chunk from
+    # rank 0, as a spread by chunk + requester parity gave)
+    assert served.tolist() == [0] * 16 + [1] * 16
+    # unequal chunks: each server's bytes within one chunk of an equal share
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 100, 32) * 1000
+    served = placement.server(host, chunk, req, rank_host, sizes)
+    share = [int(sizes[served == r].sum()) for r in (0, 1)]
+    assert abs(share[0] - share[1]) <= 2 * sizes.max(), share
+    # the rows' order does not change who serves a row
+    perm = rng.permutation(32)
+    again = placement.server(host[perm], chunk[perm], req[perm], rank_host, sizes[perm])
+    assert again.tolist() == served[perm].tolist()
+    # two hosts asked at once: each host's rows served by its own ranks
+    served = placement.server(np.array([0, 1, 0, 1]), np.array([5, 6, 7, 8]),
+                              np.array([2, 0, 3, 1]), rank_host, np.full(4, 10))
+    assert [rank_host[s] for s in served] == [0, 1, 0, 1]
+
+
 def test_sdc_names_the_odd_one_out() -> None:
     chunk = np.array([0, 0, 0, 1, 1, 2, 2, 2])
     rank = np.array([0, 1, 2, 0, 1, 0, 1, 2])

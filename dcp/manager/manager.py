@@ -135,7 +135,11 @@ class CheckpointManager:
         keep_every: also keep steps that are multiples of this.
         async_save: save with :func:`dcp.async_save` (one save in flight);
             the background save process is started at construction
-            (:func:`dcp.prestart_async_worker`), so no save waits for it.
+            (:func:`dcp.prestart_async_worker`), so no save waits for it;
+            with a ``memory`` tier, once :meth:`load_latest` returned (or at
+            the first save), so its start does not compete with the restore
+            (on 2 cores, 4 ranks: a host-lost restore 1.4-2.3 s beside the
+            starting processes, 0.64 s without).
         storage_options, coordination, process_group, compression: as for
             :func:`dcp.async_save` (``coordination`` ``"gloo"`` or ``"file"``).
         save_on_preemption: on SIGTERM to any rank, every rank saves the
@@ -272,11 +276,20 @@ class CheckpointManager:
         self.errors: list[CheckpointError] = []
         self._warned = 0
         self._closed = False
-        if async_save:  # the background save process starts while the job resumes
-            try:
-                prestart_async_worker(process_group)
-            except CheckpointError:  # no `__main__` guard: the first save raises it
-                pass
+        #: the background save process is still to start (see ``async_save``)
+        self._prestart = async_save
+        if memory is None:  # it starts while the job resumes
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Prestart the background save process, once."""
+        if not self._prestart or self._closed:
+            return
+        self._prestart = False
+        try:
+            prestart_async_worker(self.process_group)
+        except CheckpointError:  # no `__main__` guard: the first save raises it
+            pass
 
     # ------------------------------------------------------------- queries
     def step_uri(self, step: int) -> str:
@@ -345,6 +358,7 @@ class CheckpointManager:
                 decision to save, never the replacement of a complete step).
         """
         self._check_open()
+        self._start_worker()
         step = self._check_step(step)
         self._check_state(state)
         preempted, forced = self._agree([int(self._sigterm), int(force)])
@@ -684,6 +698,12 @@ class CheckpointManager:
         by rank 0 (:func:`dcp.manager.steps.mark_bad`) and passed over:
         every rank loads the newest step before it that loads.  Any other
         failure (an I/O error, a timeout) raises and marks nothing."""
+        try:
+            return self._load_latest(state)
+        finally:
+            self._start_worker()
+
+    def _load_latest(self, state: dict) -> int | None:
         self._check_open()
         self._check_state(state)
         self.wait()

@@ -193,11 +193,34 @@ def sources(need_rank: np.ndarray, need_chunk: np.ndarray, attempt: np.ndarray,
 
 
 def server(host: np.ndarray, chunk: np.ndarray, requester: np.ndarray,
-           rank_host: np.ndarray) -> np.ndarray:
-    """The rank of ``host`` that serves ``chunk`` to ``requester``: spread
-    over the host's ranks by chunk and requester."""
+           rank_host: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """The rank of ``host`` that serves ``chunk`` to ``requester`` (int64
+    columns of equal length; ``nbytes[i]``: row ``i``'s bytes): the rows
+    asked of each host, ordered by requester and chunk, cut into one
+    contiguous run of about equal bytes per rank of the host.  Each rank
+    serves about ``1/count`` of its host's bytes, in few streams (a
+    requester's chunks from one or two servers, not a message per chunk
+    from each).  The same on every rank for the same columns."""
     rank_host = np.asarray(rank_host, np.int64)
+    host = np.asarray(host, np.int64)
+    nbytes = np.asarray(nbytes, np.int64)
     n_hosts = int(max(rank_host.max(initial=-1), np.max(host, initial=-1))) + 1
     members, start, count = _host_ranks(rank_host, n_hosts)
-    host = np.asarray(host, np.int64)
-    return members[start[host] + (np.asarray(chunk) + np.asarray(requester)) % count[host]]
+    out = np.empty(len(host), dtype=np.int64)
+    if not len(host):
+        return out
+    order = np.lexsort((np.asarray(chunk), np.asarray(requester), host))
+    h, b = host[order], nbytes[order].astype(np.float64)
+    first = np.ones(len(h), dtype=bool)
+    first[1:] = h[1:] != h[:-1]
+    group = np.cumsum(first) - 1
+    starts = np.flatnonzero(first)
+    csum = np.cumsum(b)
+    before = csum - b - np.concatenate(([0.0], csum))[starts][group]  # bytes earlier in the host
+    total = np.add.reduceat(b, starts)[group]
+    k = count[h]
+    mid = before + b / 2
+    slot = np.where(total > 0, np.floor(mid * k / np.maximum(total, 1)), np.arange(len(h)) % k)
+    slot = np.minimum(slot.astype(np.int64), k - 1)
+    out[order] = members[start[h] + slot]
+    return out

@@ -270,7 +270,8 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
         peer = kind == placement.PEER
         p_idx = idx[peer]
         servers = placement.server(host[peer], need_chunk[p_idx], need_rank[p_idx],
-                                   g.rank_host) if len(p_idx) else np.zeros(0, np.int64)
+                                   g.rank_host, nbytes[need_chunk[p_idx]]) if len(p_idx) else \
+            np.zeros(0, np.int64)
         sends: dict[int, list[memoryview]] = {}
         for i, s in zip(p_idx.tolist(), servers.tolist(), strict=True):
             if s == g.rank:  # a chunk not held here is sent as zeros: its CRC-32C fails
