@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import shutil
 import statistics
 import tempfile
@@ -343,9 +344,9 @@ def _s3_table(endpoint: str, throttle: Throttle, state: dict[str, torch.Tensor],
     for _ in range(repeat):  # alternating
         for name, (save, load) in systems.items():
             url = f"s3://{BUCKET}/{uuid.uuid4().hex}"
-            saved = counted(lambda save=save, url=url: save(state, url))
+            saved = counted(functools.partial(save, state, url))
             target = {k: torch.empty_like(v) for k, v in state.items()}
-            loaded = counted(lambda load=load, url=url, target=target: load(target, url))
+            loaded = counted(functools.partial(load, target, url))
             assert all(torch.equal(target[k], v) for k, v in state.items()), name
             fs.rm(url.removeprefix("s3://"), recursive=True)
             runs[name].append((saved, loaded))
@@ -444,7 +445,7 @@ def _reshard_table(endpoint: str, throttle: Throttle, state: dict[str, torch.Ten
         for k in range(3):
             targets = _slices(state, axis, 3, k)
             seconds, counts, _ = counted(
-                lambda targets=targets: dcp.load(targets, url, storage_options=options))
+                functools.partial(dcp.load, targets, url, storage_options=options))
             for fqn, shard in targets.items():
                 index = tuple(slice(o, o + n) for o, n in
                               zip(shard.global_offsets, shard.data.shape, strict=True))
