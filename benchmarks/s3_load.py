@@ -56,7 +56,7 @@ import threading
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -157,12 +157,13 @@ class RequestCounter:
 
 
 @contextlib.contextmanager
-def counting_server() -> Iterator[str]:
+def counting_server(wrap: Callable[[Any], Any] | None = None) -> Iterator[str]:
     """moto's S3 server on a free port of 127.0.0.1, in a thread of this
-    process, behind a :class:`RequestCounter`, with the bucket
-    :data:`BUCKET`; yields its endpoint URL.  Sets fake credentials, a
-    region and ``AWS_EC2_METADATA_DISABLED`` in the environment (which the
-    spawned ranks inherit)."""
+    process, behind a :class:`RequestCounter` (itself behind ``wrap(app)``,
+    another WSGI middleware, where given), with the bucket :data:`BUCKET`;
+    yields its endpoint URL.  Sets fake credentials, a region and
+    ``AWS_EC2_METADATA_DISABLED`` in the environment (which the spawned
+    ranks inherit)."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
@@ -172,6 +173,8 @@ def counting_server() -> Iterator[str]:
     os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     app = RequestCounter(DomainDispatcherApplication(create_backend_app))
+    if wrap is not None:
+        app = wrap(app)
     server = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
