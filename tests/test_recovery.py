@@ -382,6 +382,35 @@ def test_several_chunks_of_one_fqn_a_rank_restore_and_persist(ctx):
     assert torch.equal(plain["st"], full), plain["st"]
 
 
+@dist_scenario(world_size=2)
+def test_an_exchange_of_large_small_and_empty_parts_is_exact(ctx):
+    """Both ranks send each other parts of 3 MiB, 10 bytes, 0, 1 MiB + 1 and
+    3 bytes (large ones in pieces of their own, small ones packed) into
+    receive parts at scattered places of one buffer, at full speed and
+    throttled; every byte lands where it belongs and nothing else changes."""
+    import torch
+
+    from dcp.recovery import replicate
+
+    sizes = [3 << 20, 10, 0, (1 << 20) + 1, 3]
+    peer = 1 - ctx.rank
+    for rate in (None, 64 << 20):
+        g = torch.Generator().manual_seed(ctx.rank)
+        mine = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        g = torch.Generator().manual_seed(peer)
+        theirs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+        space = torch.full((sum(sizes) + 64 * len(sizes),), 7, dtype=torch.uint8)
+        starts = [sum(sizes[:k]) + 64 * k + 32 for k in range(len(sizes))]
+        recv = [memoryview(space[a:a + n].numpy()).cast("B")
+                for a, n in zip(starts, sizes, strict=True)]
+        send = [memoryview(t.numpy()).cast("B") for t in mine]
+        replicate.exchange({peer: send}, {peer: recv}, None, rate=rate)
+        expect = torch.full_like(space, 7)
+        for a, t in zip(starts, theirs, strict=True):
+            expect[a:a + len(t)] = t
+        assert torch.equal(space, expect), rate
+
+
 @pytest.mark.timeout(1200)  # six jobs of 4 ranks: about 40 s on an idle 2-core machine
 def test_failure_matrix_kills_hangs_and_racks(tmp: Path) -> None:
     """Rows 5 (at staging and at commit), 7 and 3 of the matrix, in six jobs

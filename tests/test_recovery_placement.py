@@ -95,6 +95,23 @@ def test_the_ranks_of_a_host_serve_equal_bytes_in_few_streams() -> None:
     assert [rank_host[s] for s in served] == [0, 1, 0, 1]
 
 
+def test_transfer_pieces_keep_large_parts_whole_and_pack_runs_of_small_ones() -> None:
+    from dcp.recovery.replicate import PACK_BYTES, pieces
+
+    small, big = 1000, 2 * PACK_BYTES + 5
+    got = pieces([small, small, 0, big, small, 0], PACK_BYTES)
+    # a packed piece of the two small parts, the large part in pieces of its
+    # own (never mixed with its neighbours), then the last small part
+    assert got == [(0, 2 * small), (2 * small, PACK_BYTES), (2 * small + PACK_BYTES, PACK_BYTES),
+                   (2 * small + 2 * PACK_BYTES, 5), (2 * small + big, small)]
+    # pieces cover the stream once, in order
+    sizes = [7, PACK_BYTES, 3 * PACK_BYTES // 2, 1, 2, PACK_BYTES - 1, 0, 4 * PACK_BYTES]
+    got = pieces(sizes, PACK_BYTES)
+    assert sum(n for _, n in got) == sum(sizes)
+    assert all(a + n == b for (a, n), (b, _) in zip(got, got[1:], strict=False))
+    assert max(n for _, n in got) <= PACK_BYTES and pieces([], PACK_BYTES) == []
+
+
 def test_sdc_names_the_odd_one_out() -> None:
     chunk = np.array([0, 0, 0, 1, 1, 2, 2, 2])
     rank = np.array([0, 1, 2, 0, 1, 0, 1, 2])

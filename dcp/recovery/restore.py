@@ -174,7 +174,7 @@ def _uninitialized(nbytes: int) -> memoryview:
 
 
 def _transfer(g: TierGroup, step: int, sends: dict[int, list[memoryview]],
-              recvs: dict[int, memoryview]) -> set[int]:
+              recvs: dict[int, list[memoryview]]) -> set[int]:
     """One round of a restore's peer transfers, under a tag of its own:
     the receives posted, this rank's sends on a thread of their own (a rank
     whose sends are slow still goes on to the round's agreement), then each
@@ -282,18 +282,18 @@ def read_into(g: TierGroup, found: Found, target: dict, persistent_uri: str | No
         for i, s in zip(p_idx.tolist(), servers.tolist(), strict=True):
             if need_rank[i] == g.rank:
                 incoming.setdefault(int(s), []).append(int(need_chunk[i]))
-        recvs = {s: _uninitialized(int(nbytes[ids].sum())) for s, ids in incoming.items()}
+        recvs = {}
+        for s, ids in incoming.items():
+            scratch = _uninitialized(int(nbytes[ids].sum()))
+            ends = np.cumsum(nbytes[ids]).tolist()
+            recvs[s] = [scratch[e - int(nbytes[c]):e] for c, e in zip(ids, ends, strict=True)]
         late = _transfer(g, step, sends, recvs)
         for s, ids in incoming.items():
             if s in late:  # passed over for these chunks: their next source
                 report.late_holders.append(s)
                 failed.extend(ids)
                 continue
-            off = 0
-            for cid in ids:
-                n = int(nbytes[cid])
-                accepted.append((cid, recvs[s][off:off + n], "peer"))
-                off += n
+            accepted += [(cid, part, "peer") for cid, part in zip(ids, recvs[s], strict=True)]
         for cid, buf, source in accepted:
             if buf is None or checksum(buf) != int(crcs[cid]):
                 failed.append(cid)

@@ -415,11 +415,9 @@ class Snapshotter:
                  for dst, ids in layout.copy_out.items()}
         copies = self._stage_copies(step, layout.copies_bytes)
         staged.append(copies)
-        recvs = {}
-        for src, (ids, offs) in layout.copy_in.items():
-            lo = int(offs[0])
-            hi = int(offs[-1] + layout.nbytes[ids[-1]])
-            recvs[src] = copies.view[lo:hi]
+        recvs = {src: [copies.view[o:o + int(layout.nbytes[c])]
+                       for c, o in zip(ids.tolist(), offs.tolist(), strict=True)]
+                 for src, (ids, offs) in layout.copy_in.items()}
         replicate.exchange(sends, recvs, g.group, rate=g.tier.bandwidth)
         bad = [int(c) for ids, offs in layout.copy_in.values()
                for c, o in zip(ids.tolist(), offs.tolist(), strict=True)
@@ -491,16 +489,15 @@ class Snapshotter:
         total = sum(size[c] for c, _ in incoming)
         target = g.store.stage(step, blob_copies_file(g.rank), total)
         try:
-            recvs: dict[int, memoryview] = {}
+            recvs: dict[int, list[memoryview]] = {}
             offsets: list[int] = []
             off = 0
             for src in sorted({s for _, s in incoming}):
-                start = off
                 for c, s in incoming:
                     if s == src:
                         offsets.append(off)
+                        recvs.setdefault(src, []).append(target.view[off:off + size[c]])
                         off += size[c]
-                recvs[src] = target.view[start:off]
             incoming.sort(key=lambda cs: cs[1])  # the order offsets were given in
             sends: dict[int, list[memoryview]] = {}
             sel = c_src == g.rank
