@@ -16,7 +16,14 @@ import torch
 import dcp
 from dcp.core.boxes import byte_runs, run_extent
 from dcp.core.read_cost import ReadCost
-from dcp.core.read_plan import Request, Run, coalesce, largest_gap, whole_chunk_cheaper
+from dcp.core.read_plan import (
+    Request,
+    Run,
+    coalesce,
+    join_adjacent,
+    largest_gap,
+    whole_chunk_cheaper,
+)
 from dcp.core.storage import open_storage
 from helpers import assert_bitwise_equal, random_tensor
 from planners.load import DefaultLoadPlanner
@@ -233,3 +240,15 @@ def test_a_missing_file_is_corrupt_and_named_a_failed_read_is_not_corrupt(tmp_pa
         dcp.load({"w": torch.zeros(64, 32)}, str(tmp_path / "d"),
                  storage=Failing(str(tmp_path / "d")))
     assert not isinstance(e.value, dcp.CorruptCheckpointError)
+
+
+def test_requests_end_to_end_are_joined_within_the_limit_and_gaps_are_kept():
+    a = Request(0, 10, (Run(0, 10, 0, 0),))
+    b = Request(10, 5, (Run(10, 5, 1, 0),))
+    c = Request(20, 5, (Run(20, 5, 2, 0),))  # a gap before it: never read through
+    d = Request(25, 30, (Run(25, 30, 3, 0),))  # would pass the limit joined to c
+    joined = join_adjacent([c, b, d, a], limit=30)
+    assert joined == [Request(0, 15, (*a.runs, *b.runs)), c, d]
+    assert sum(r.length for r in joined) == sum(r.kept for r in joined) == 50
+    assert join_adjacent([], 40) == []
+

@@ -113,6 +113,22 @@ def coalesce(runs: Iterable[Run], cost: ReadCost) -> list[Request]:
     return requests
 
 
+def join_adjacent(requests: Iterable[Request], limit: int) -> list[Request]:
+    """``requests`` (of one file) with each run of requests that follow one
+    another byte for byte joined into one, within ``limit`` bytes: fewer
+    requests for the same bytes (the requests of separately planned
+    chunks that lie end to end)."""
+    out: list[Request] = []
+    for r in sorted(requests, key=lambda r: r.offset):
+        last = out[-1] if out else None
+        if last is not None and last.offset + last.length == r.offset and (
+                last.length + r.length <= limit):
+            out[-1] = Request(last.offset, last.length + r.length, last.runs + r.runs)
+        else:
+            out.append(r)
+    return out
+
+
 def largest_gap(requests: Sequence[Request]) -> int:
     """The longest stretch of dropped bytes in ``requests`` (the size of
     the scratch buffer that receives them)."""

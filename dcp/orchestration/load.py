@@ -75,6 +75,24 @@ _ARRIVAL_POLL_S = 0.002
 
 
 @dataclass
+class _Framed:
+    """The covering frames a load reads of one compressed chunk: chunk
+    ``number`` of ``fqn`` for the regions ``indices``, read ``whole`` or
+    not, the frame numbers and a buffer for each one's stored bytes."""
+
+    fqn: str
+    number: int
+    indices: list[int]
+    whole: bool
+    frames: list[int]
+    stored: list[memoryview]
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(len(b) for b in self.stored)
+
+
+@dataclass
 class _Sink:
     """A buffer that storage reads fill: the bytes of one region (``items``
     holds its one index), or of the whole ``chunk``, read for its regions
@@ -555,10 +573,16 @@ class _Load:
                     chunk = self.metadata.tensors[first.fqn].chunks[first.chunk]
                     raise self._read_error(first.fqn, chunk, e) from e
             wave: list[_Sink] = []
-            held = 0
+            framed: list[_Framed] = []
+            held = framed_held = 0
             for (fqn, number), indices in by_chunk.items():
                 if self.metadata.tensors[fqn].chunks[number].frames is not None:
-                    self._read_framed(name, fqn, number, items, indices, cached, keep, out)
+                    plan = self._frames_of(fqn, number, items, indices)
+                    if framed and framed_held + plan.stored_bytes > budget:
+                        self._read_framed(name, framed, items, cached, keep, out)
+                        framed, framed_held = [], 0
+                    framed.append(plan)
+                    framed_held += plan.stored_bytes
                     continue
                 sinks = self._sinks(fqn, number, items, indices, cached)
                 if mapping is not None and any(s.whole_chunk or not s.direct for s in sinks):
@@ -573,6 +597,8 @@ class _Load:
                 held += need
             if wave:
                 self._read_wave(name, items, wave, cached, keep, out)
+            if framed:
+                self._read_framed(name, framed, items, cached, keep, out)
         return out
 
     def _from_mapping(self, name: str, mapping: memoryview, fqn: str, number: int,
@@ -600,20 +626,15 @@ class _Load:
             with contextlib.suppress(BufferError):  # a traceback still holds a tensor of it
                 view.release()
 
-    def _read_framed(self, name: str, fqn: str, number: int, items: list[ReadItem],
-                     indices: list[int], cached: bool, keep: set[ReadItem], out: list) -> None:
-        """Read the regions ``indices`` of compressed chunk ``number`` of
-        ``fqn``: only the frames covering their bytes (all of them where
-        the chunk is read whole), in the planner's requests over their stored
-        bytes; check each frame's CRC-32C of its stored bytes before decoding
-        it (on this thread, a reader's) into a buffer of the chunk's logical
-        size, whose pages outside the decoded frames are never touched; then
-        the chunk's CRC-32C of its logical bytes where all were decoded."""
-        saved = self.metadata.tensors[fqn]
-        chunk = saved.chunks[number]
+    def _frames_of(self, fqn: str, number: int, items: list[ReadItem],
+                   indices: list[int]) -> _Framed:
+        """The frames of compressed chunk ``number`` of ``fqn`` that cover
+        the bytes of its regions ``indices`` (all of them where the chunk is
+        read whole), with buffers for their stored bytes."""
+        chunk = self.metadata.tensors[fqn].chunks[number]
         index = chunk.frames
         assert index is not None
-        itemsize = DTYPE_ITEMSIZE[saved.dtype]
+        itemsize = DTYPE_ITEMSIZE[self.metadata.tensors[fqn].dtype]
         regions = [items[k] for k in indices]
         whole = (any(i.sizes == chunk.sizes for i in regions)
                  or self._reads_whole(fqn, number, regions))
@@ -627,27 +648,78 @@ class _Load:
                 if extent is not None:
                     frames.update(index.covering(extent[0], extent[1]))
         wanted = sorted(frames)
-        starts = index.stored_offsets()
-        stored = [memoryview(bytearray(index.stored[f])) for f in wanted]
-        runs = [read_plan.Run(chunk.byte_offset + starts[f], index.stored[f], k, 0)
-                for k, f in enumerate(wanted)]
-        requests = self.planner.create_requests(runs, self.storage.read_cost)
+        return _Framed(fqn, number, indices, whole, wanted,
+                       [memoryview(bytearray(index.stored[f])) for f in wanted])
+
+    def _read_framed(self, name: str, plans: list[_Framed], items: list[ReadItem],
+                     cached: bool, keep: set[ReadItem], out: list) -> None:
+        """Read the covering frames of the compressed chunks ``plans`` of
+        file ``name`` (:meth:`_frames_of`) in the planner's requests over
+        their stored bytes (per chunk; requests of chunks that lie end to
+        end joined), in one ``read_requests`` call for them all (as
+        uncompressed chunks go in waves); then,
+        per chunk, check each frame's CRC-32C of its stored bytes before
+        decoding it (on this thread, a reader's) into a buffer of the
+        chunk's logical size, whose pages outside the decoded frames are
+        never touched, and the chunk's CRC-32C of its logical bytes where
+        all were decoded."""
+        cost = self.storage.read_cost
+        requests: list[read_plan.Request] = []
+        stored: list[memoryview] = []
+        for plan in plans:
+            chunk = self.metadata.tensors[plan.fqn].chunks[plan.number]
+            assert chunk.frames is not None
+            starts = chunk.frames.stored_offsets()
+            requests += self.planner.create_requests(
+                [read_plan.Run(chunk.byte_offset + starts[f], chunk.frames.stored[f],
+                               len(stored) + k, 0) for k, f in enumerate(plan.frames)], cost)
+            stored += plan.stored
+        # each chunk's frames planned on their own (no bytes of another chunk
+        # read through), those that lie end to end in one request
+        requests = read_plan.join_adjacent(requests, cost.max_request_bytes)
         try:
             self.storage.read_requests(name, _calls(requests, stored))
         except Exception as e:
-            raise self._read_error(fqn, chunk, e) from e
+            for plan in plans:  # the chunk whose frames fail alone, else the first
+                chunk = self.metadata.tensors[plan.fqn].chunks[plan.number]
+                self._fetch_frames(name, plan, chunk)
+            first = self.metadata.tensors[plans[0].fqn].chunks[plans[0].number]
+            raise self._read_error(plans[0].fqn, first, e) from e
         with self.lock:
             self.counts[cached][0] += sum(r.length for r in requests)
             self.counts[cached][1] += len(requests)
+        for plan in plans:
+            self._decode(plan, items, cached, keep, out)
+
+    def _fetch_frames(self, name: str, plan: _Framed, chunk) -> None:
+        """Read the frames of one chunk of ``plan`` on their own; raises the
+        read error naming that chunk if they fail."""
+        assert chunk.frames is not None
+        starts = chunk.frames.stored_offsets()
+        runs = [read_plan.Run(chunk.byte_offset + starts[f], chunk.frames.stored[f], k, 0)
+                for k, f in enumerate(plan.frames)]
+        try:
+            self.storage.read_requests(name, _calls(
+                self.planner.create_requests(runs, self.storage.read_cost), plan.stored))
+        except Exception as e:
+            raise self._read_error(plan.fqn, chunk, e) from e
+
+    def _decode(self, plan: _Framed, items: list[ReadItem], cached: bool,
+                keep: set[ReadItem], out: list) -> None:
+        """Decode the frames read for ``plan`` into the chunk's logical
+        bytes and hand its regions to their targets."""
+        saved = self.metadata.tensors[plan.fqn]
+        chunk = saved.chunks[plan.number]
+        assert chunk.frames is not None
         logical = tensors.empty_bytes(chunk.nbytes)
         view = tensors.byte_view(logical)
         compression.decode_frames(
-            index, wanted, stored, view, itemsize,
-            f"{fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
+            chunk.frames, plan.frames, plan.stored, view, DTYPE_ITEMSIZE[saved.dtype],
+            f"{plan.fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
             f"{chunk.byte_offset}) of file {chunk.file!r}", check=self.verify != "none")
-        designated = self.checks is None or (fqn, number) in self.checks
-        check = whole and self.verify != "none" and designated and not cached
-        sink = _Sink(chunk, saved.dtype, indices, chunk.nbytes,
+        designated = self.checks is None or (plan.fqn, plan.number) in self.checks
+        check = plan.whole and self.verify != "none" and designated and not cached
+        sink = _Sink(chunk, saved.dtype, plan.indices, chunk.nbytes,
                      tensors.from_bytes(logical, saved.dtype, chunk.sizes), check, False, True)
         self._finish(sink, view, items, keep, out)
 
