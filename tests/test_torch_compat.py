@@ -883,6 +883,7 @@ def _several(name):
 
 def _save_several(ctx, name):
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     ws, rank = ctx.world_size, ctx.rank
     mesh = init_device_mesh("cpu", (ws,))
@@ -895,14 +896,19 @@ def _save_several(ctx, name):
           # commits the placements' boxes over other bytes
           "skewed": _uneven(_several("skewed"), ws, rank, mesh, _SKEWED[ws])}
     mesh_2d = init_device_mesh("cpu", (2, 2)) if ws == 4 else None
-    if mesh_2d is not None:  # two mesh dims sharding one tensor dim, unevenly
+    if mesh_2d is not None:  # two mesh dims sharding one tensor dim, unevenly; replicas
         sd["skewed_2d"] = _skewed_2d(_several("skewed"), rank, mesh_2d)[0]
+        lo = sum(_SKEWED[2][:rank % 2])
+        sd["skewed_replicated"] = DTensor.from_local(
+            _several("uneven")[lo:lo + _SKEWED[2][rank % 2]].clone(), mesh_2d,
+            [Replicate(), Shard(0)], run_check=False, shape=(7, 2), stride=(2, 1))
     md = dcp.compat.save(sd, storage_writer=FileSystemWriter(ctx.shared / name))
     assert len(md.tensors["st"].chunks) == 2 * ws, md.tensors["st"].chunks
     assert sorted(c.offsets[0] for c in md.tensors["lsw"].chunks) == sorted(
         lo for ranges in _LSW_SAVE[ws] for lo, _ in ranges)
     for fqn, sizes in (("uneven", _UNEVEN[ws]), ("skewed", _SKEWED[ws]),
-                       ("skewed_2d", [n for row in _SKEWED_2D for n in row])):
+                       ("skewed_2d", [n for row in _SKEWED_2D for n in row]),
+                       ("skewed_replicated", _SKEWED[2])):
         if fqn in md.tensors:
             boxes = sorted((c.offsets, c.sizes) for c in md.tensors[fqn].chunks)
             assert boxes == [((sum(sizes[:r]), 0), (n, 2)) for r, n in enumerate(sizes)], boxes
@@ -924,8 +930,6 @@ def _save_several(ctx, name):
 
     # layouts whose boxes do not tile, a protocol that raises: refused before any I/O
     bad = ctx.dir / "bad"
-    from torch.distributed.tensor import DTensor, Shard
-
     past = {2: [4, 4], 4: [2, 2, 2, 2]}[ws]  # 8 rows of 7: the last rank's lie past the end
     wrong = DTensor.from_local(torch.zeros(past[rank], 2), mesh, [Shard(0)], run_check=False,
                                shape=(7, 2), stride=(2, 1))
@@ -1007,9 +1011,11 @@ def _load_several(ctx, name):
         assert_bitwise_equal(target.to_local(), _several(source)[lo:lo + sizes[rank]],
                              f"{source} into rows {sizes}")
     if ws == 2:  # saved at W=4 on a (2, 2) mesh
-        whole = {"skewed_2d": torch.zeros(7, 2)}
+        whole = {"skewed_2d": torch.zeros(7, 2), "skewed_replicated": torch.zeros(7, 2)}
         dcp.load(whole, str(ctx.shared / name))
         assert_bitwise_equal(whole["skewed_2d"], _several("skewed"), "skewed 2-D mesh as plain")
+        assert_bitwise_equal(whole["skewed_replicated"], _several("uneven"),
+                             "skewed replicated as plain")
 
     # no targets: dcp.load_keys, and torch's _load_state_dict_from_keys routed to it
     from torch.distributed.checkpoint import state_dict_loader  # noqa: F401 - torch's module
