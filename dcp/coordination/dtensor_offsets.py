@@ -49,11 +49,13 @@ from dcp.core import tensors
 
 
 def agree(coord: CoordinatorBase, leaves: Mapping[str, Any] | None) -> dict[str, tuple[int, ...]]:
-    """This rank's offsets (elements, one per dimension) of every DTensor
+    """This rank's offsets (elements, one per dimension) of the DTensors
     among ``leaves`` (fqn to leaf value; ``None`` if this rank failed before
-    knowing them) whose local shards are uneven, on some rank of ``coord``'s
-    group, in a way its placements do not give; the other leaves are absent.
-    Collective over the group (see the module's docstring for its cost).
+    knowing them): for those whose local shards are uneven, on some rank of
+    ``coord``'s group, in a way their placements do not give, the prefix
+    sums; for the others checked, their placements' (computed here once for
+    the describing that follows); other leaves are absent.  Collective over
+    the group (see the module's docstring for its cost).
 
     Raises :class:`~dcp.errors.CheckpointError` naming the fqn for such a
     DTensor that cannot be placed (strided-shard placements, a mesh rank
@@ -64,14 +66,15 @@ def agree(coord: CoordinatorBase, leaves: Mapping[str, Any] | None) -> dict[str,
             and tensors.dtensors_possible()):
         return {}
     shapes: dict[str, tuple[int, ...]] = {}
+    placed: dict[str, tuple[int, ...]] = {}  # the placements' offsets, computed once
     uneven: list[str] = []
     error: Exception | None = None
     try:
         for fqn, value in (leaves or {}).items():
-            shape = tensors.local_shape(value)
-            if shape is not None:
-                shapes[fqn] = shape
-                if tensors.placed_unevenly(value):
+            box = tensors.placed_box(value)
+            if box is not None:
+                shapes[fqn], placed[fqn], differs = box
+                if differs:
                     uneven.append(fqn)
     except Exception as e:  # raised below, once every rank has the flags
         error = e
@@ -80,7 +83,7 @@ def agree(coord: CoordinatorBase, leaves: Mapping[str, Any] | None) -> dict[str,
     if error is not None:
         raise error
     if not int(flags[0]) or int(flags[1]):
-        return {}
+        return placed
     gathered: list[Any] = [None] * coord.world_size
     dist.all_gather_object(gathered, wire.encode((shapes, uneven)), group=coord.group)
     by_rank: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -90,8 +93,10 @@ def agree(coord: CoordinatorBase, leaves: Mapping[str, Any] | None) -> dict[str,
         by_rank[rank] = their_shapes
         concerned.update(their_uneven)
     assert leaves is not None  # no rank failed
-    return {fqn: tensors.uneven_offsets(fqn, leaves[fqn], functools.partial(_shape, by_rank, fqn))
-            for fqn, shape in shapes.items() if fqn in concerned and 0 not in shape}
+    placed.update((fqn, tensors.uneven_offsets(fqn, leaves[fqn],
+                                               functools.partial(_shape, by_rank, fqn)))
+                  for fqn, shape in shapes.items() if fqn in concerned and 0 not in shape)
+    return placed
 
 
 def _shape(by_rank: dict[int, dict[str, tuple[int, ...]]], fqn: str,

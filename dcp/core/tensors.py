@@ -16,7 +16,7 @@ Three kinds of leaves are understood:
   shards included.  A DTensor built with ``DTensor.from_local(..., shape=,
   stride=)`` over local shards the placements do not give (7 rows as 5 and
   2) has its real local shape, at offsets only the other ranks' local
-  shapes tell (:func:`placed_unevenly`, :func:`uneven_offsets`; agreed
+  shapes tell (:func:`placed_box`, :func:`uneven_offsets`; agreed
   by :mod:`dcp.coordination.dtensor_offsets`).
 * :class:`TensorShard`: a Megatron-style description (local tensor + global
   shape + global offsets) for frameworks without DTensor.
@@ -325,21 +325,18 @@ def dtensors_possible() -> bool:
     return "torch.distributed.tensor" in sys.modules
 
 
-def local_shape(value: Any) -> tuple[int, ...] | None:
-    """A DTensor's local shape on this rank where :func:`uneven_offsets` can
-    place it (on a mesh holding this rank, described by its placements, not
-    a checkpointable one), else ``None``; ``None`` for any other leaf."""
+def placed_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
+    """For a DTensor that :func:`uneven_offsets` can place (on a mesh holding
+    this rank, described by its placements, not a checkpointable one): its
+    local shape, the offsets its placements give, and whether its local
+    shard is not empty and of another shape than they give
+    (``DTensor.from_local(..., shape=, stride=)`` over other sizes; an empty
+    one needs no offsets).  ``None`` for any other leaf."""
     if not is_dtensor(value) or not _on_mesh(value) or _is_checkpointable(value):
         return None
-    return tuple(value._local_tensor.shape)
-
-
-def placed_unevenly(value: DTensor) -> bool:
-    """Whether a DTensor's local shard is not empty and of another shape
-    than its placements give (``DTensor.from_local(..., shape=, stride=)``
-    over other sizes); an empty one needs no offsets."""
     local = tuple(value._local_tensor.shape)
-    return 0 not in local and local != _placement_box(value)[0]
+    sizes, offsets = _placement_box(value)
+    return local, offsets, 0 not in local and local != sizes
 
 
 def uneven_offsets(fqn: str, value: DTensor,
