@@ -945,6 +945,29 @@ def _save_several(ctx, name):
     with pytest.raises(dcp.CheckpointError,
                        match=r"'missing': the ranks' chunks cover 12 of its 14 elements"):
         dcp.compat.save({"missing": missing}, checkpoint_id=bad)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    lo = sum(_SKEWED[ws][:rank])
+    strided = DTensor.from_local(_several("skewed")[lo:lo + _SKEWED[ws][rank]].clone(), mesh,
+                                 [_StridedShard(0, split_factor=2)], run_check=False,
+                                 shape=(7, 2), stride=(2, 1))
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"'strided': a DTensor with strided-shard placements"):
+        dcp.save({"strided": strided}, str(bad))
+
+    class Failing:  # raises on the last rank only, before its leaves are known
+        def state_dict(self):
+            if rank == ws - 1:
+                raise ValueError("no state here")
+            return {"w": sd["skewed"]}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    with pytest.raises(dcp.CheckpointError, match=rf"failed on rank {ws - 1}: .*no state here"):
+        dcp.save({"m": Failing()}, str(bad))
+    with pytest.raises(dcp.CheckpointError, match=rf"failed on rank {ws - 1}: .*no state here"):
+        dcp.load({"m": Failing()}, str(ctx.shared / name), strict=False)
 
     class Broken(Checkpointable):
         def __get_tensor_shard__(self, index):
