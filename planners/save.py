@@ -221,7 +221,9 @@ def _check_coverage(decls: dict[str, TensorDecl], items: dict,
     their elements add up to the whole tensor (each box lies inside it, as
     the ranks check).  A DTensor built with ``DTensor.from_local(...,
     shape=, stride=)`` over local shards the placements do not give is
-    placed by the placements' offsets, so its boxes overlap: refused here,
+    placed at the prefix sums of its ranks' local sizes by :func:`dcp.save`
+    (sizes that sum short of its shape leave rows out), by the placements'
+    offsets by :func:`dcp.async_save` (its boxes overlap): refused here,
     before anything is written."""
     covered: dict[str, int] = defaultdict(int)
     boxes: dict[str, list[_Key]] = defaultdict(list)
@@ -238,7 +240,8 @@ def _check_coverage(decls: dict[str, TensorDecl], items: dict,
                         f"{list(items[b].sizes)} at offsets {list(b[1])} on rank(s) "
                         f"{holders[b]}: the ranks' shards do not tile its shape "
                         f"{list(decls[fqn].shape)} (a DTensor whose local shards are "
-                        f"uneven in a way its placements do not give?)")
+                        f"uneven in a way its placements do not give, saved by dcp.async_save, "
+                        f"which places them by the placements?)")
     for fqn, decl in decls.items():
         if covered[fqn] != volume(decl.shape):
             raise CheckpointError(

@@ -100,7 +100,8 @@ def test_errors_and_rare_inputs_match():
 
 def test_overlapping_boxes_of_the_whole_volume_are_refused():
     """DTensor.from_local(..., shape=(4, 1)) over local shards of 3 and 1
-    rows on 2 ranks: the placements' offsets put them at rows 0 and 2, so
+    rows on 2 ranks, placed by the placements' offsets (as dcp.async_save
+    places them) at rows 0 and 2, so
     they overlap at row 2 and miss row 3 while their elements add up to 4.
     Refused (naming the tensor and both ranks) instead of committed."""
     d = {"w": TensorDecl((4, 1), "float32"), "v": TensorDecl((2, 2), "float32")}

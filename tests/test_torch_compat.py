@@ -791,6 +791,12 @@ _LSW_LOAD = {2: [[(0, 6)], [(6, 7), (7, 10)]],
              4: [[(0, 2)], [(2, 3), (9, 10)], [], [(3, 9)]]}
 #: DTensor.from_local rows per rank (the last one short, as torch's test)
 _UNEVEN = {2: [4, 3], 4: [2, 2, 2, 1]}
+#: DTensor.from_local rows per rank the placements do not give (they say
+#: _UNEVEN): each rank's offset is the sum of the rows before it
+_SKEWED = {2: [5, 2], 4: [3, 2, 1, 1]}
+#: a (2, 2) mesh's rows by coordinate, [Shard(0), Shard(0)]: mesh dim 0
+#: splits the 7 rows into 4 and 3, mesh dim 1 each part unevenly
+_SKEWED_2D = [[3, 1], [1, 2]]
 
 
 class Checkpointable(torch.Tensor):
@@ -847,24 +853,37 @@ def _lsw(full, ranges, mesh):
                               shape=full.shape, stride=full.stride()), shards
 
 
-def _uneven(full, ws, rank, mesh):
+def _uneven(full, ws, rank, mesh, sizes=None):
     from torch.distributed.tensor import DTensor, Shard
 
-    sizes = _UNEVEN[ws]
+    sizes = _UNEVEN[ws] if sizes is None else sizes
     lo = sum(sizes[:rank])
     return DTensor.from_local(full[lo:lo + sizes[rank]].clone(), mesh, [Shard(0)],
                               run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _skewed_2d(full, rank, mesh):
+    """Rank ``rank``'s rows of ``full`` on a (2, 2) mesh sharding dim 0 twice,
+    by :data:`_SKEWED_2D`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    i, j = divmod(rank, 2)
+    lo = sum(map(sum, _SKEWED_2D[:i])) + sum(_SKEWED_2D[i][:j])
+    return DTensor.from_local(full[lo:lo + _SKEWED_2D[i][j]].clone(), mesh, [Shard(0), Shard(0)],
+                              run_check=False, shape=full.shape, stride=full.stride()), lo
 
 
 def _several(name):
     return {"st": random_tensor(_SEV_ROWS, torch.float32, seed=31),
             "lsw": random_tensor(_LSW_ROWS, torch.float32, seed=32),
             "cdt": random_tensor(_LSW_ROWS, torch.float32, seed=33),
-            "uneven": random_tensor((7, 2), torch.float32, seed=34)}[name]
+            "uneven": random_tensor((7, 2), torch.float32, seed=34),
+            "skewed": random_tensor((7, 2), torch.float32, seed=35)}[name]
 
 
 def _save_several(ctx, name):
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     ws, rank = ctx.world_size, ctx.rank
     mesh = init_device_mesh("cpu", (ws,))
@@ -872,35 +891,83 @@ def _save_several(ctx, name):
     sd = {"st": _sharded(_several("st"), _SEV[ws], rank),
           "lsw": _lsw(_several("lsw"), _LSW_SAVE[ws][rank], mesh)[0],
           "cdt": Checkpointable(shards, offsets, _LSW_ROWS),
-          "uneven": _uneven(_several("uneven"), ws, rank, mesh)}
+          "uneven": _uneven(_several("uneven"), ws, rank, mesh),
+          # shards the placements do not give (they say _UNEVEN): torch 2.13
+          # commits the placements' boxes over other bytes
+          "skewed": _uneven(_several("skewed"), ws, rank, mesh, _SKEWED[ws])}
+    mesh_2d = init_device_mesh("cpu", (2, 2)) if ws == 4 else None
+    if mesh_2d is not None:  # two mesh dims sharding one tensor dim, unevenly; replicas
+        sd["skewed_2d"] = _skewed_2d(_several("skewed"), rank, mesh_2d)[0]
+        lo = sum(_SKEWED[2][:rank % 2])
+        sd["skewed_replicated"] = DTensor.from_local(
+            _several("uneven")[lo:lo + _SKEWED[2][rank % 2]].clone(), mesh_2d,
+            [Replicate(), Shard(0)], run_check=False, shape=(7, 2), stride=(2, 1))
     md = dcp.compat.save(sd, storage_writer=FileSystemWriter(ctx.shared / name))
     assert len(md.tensors["st"].chunks) == 2 * ws, md.tensors["st"].chunks
     assert sorted(c.offsets[0] for c in md.tensors["lsw"].chunks) == sorted(
         lo for ranges in _LSW_SAVE[ws] for lo, _ in ranges)
-    assert [c.sizes[0] for c in sorted(md.tensors["uneven"].chunks,
-                                       key=lambda c: c.offsets)] == _UNEVEN[ws]
+    for fqn, sizes in (("uneven", _UNEVEN[ws]), ("skewed", _SKEWED[ws]),
+                       ("skewed_2d", [n for row in _SKEWED_2D for n in row]),
+                       ("skewed_replicated", _SKEWED[2])):
+        if fqn in md.tensors:
+            boxes = sorted((c.offsets, c.sizes) for c in md.tensors[fqn].chunks)
+            assert boxes == [((sum(sizes[:r]), 0), (n, 2)) for r, n in enumerate(sizes)], boxes
+    # loaded back at once, through dcp.load, into the same layouts and whole
+    again = _uneven(torch.zeros(7, 2), ws, rank, mesh, _SKEWED[ws])
+    whole = torch.zeros(7, 2)
+    dcp.load({"skewed": again}, str(ctx.shared / name))
+    dcp.load({"skewed": whole}, str(ctx.shared / name))
+    lo = sum(_SKEWED[ws][:rank])
+    assert_bitwise_equal(again.to_local(), _several("skewed")[lo:lo + _SKEWED[ws][rank]],
+                         "skewed DTensor, same W")
+    assert_bitwise_equal(whole, _several("skewed"), "skewed DTensor as plain, same W")
+    if mesh_2d is not None:
+        target, lo = _skewed_2d(torch.zeros(7, 2), rank, mesh_2d)
+        dcp.load({"skewed_2d": target}, str(ctx.shared / name))
+        i, j = divmod(rank, 2)
+        assert_bitwise_equal(target.to_local(), _several("skewed")[lo:lo + _SKEWED_2D[i][j]],
+                             "skewed 2-D mesh DTensor")
 
-    # a layout whose boxes do not fit, a protocol that raises: refused before any I/O
+    # layouts whose boxes do not tile, a protocol that raises: refused before any I/O
     bad = ctx.dir / "bad"
-    sizes = list(reversed(_UNEVEN[ws]))  # placements' offsets, other sizes: past the end
-    local = torch.zeros(sizes[rank], 2)
-    from torch.distributed.tensor import DTensor, Shard
-
-    wrong = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(7, 2),
-                               stride=(2, 1))
-    with pytest.raises(dcp.CheckpointError, match="'wrong': DTensor of shape"):
-        dcp.compat.save({"wrong": wrong}, checkpoint_id=bad)
-    # shards that fit, placed by the placements' offsets: they overlap (torch
-    # 2.13 commits such boxes, of the placements' sizes, over other bytes)
-    sizes = {2: [5, 2], 4: [3, 2, 1, 1]}[ws]
-    lo = sum(sizes[:rank])
-    overlapping = DTensor.from_local(_several("uneven")[lo:lo + sizes[rank]].clone(), mesh,
-                                     [Shard(0)], run_check=False, shape=(7, 2), stride=(2, 1))
+    past = {2: [4, 4], 4: [2, 2, 2, 2]}[ws]  # 8 rows of 7: the last rank's lie past the end
+    wrong = DTensor.from_local(torch.zeros(past[rank], 2), mesh, [Shard(0)], run_check=False,
+                               shape=(7, 2), stride=(2, 1))
     with pytest.raises(dcp.CheckpointError,
-                       match=r"'overlapping': the chunk of sizes \[.*\] at offsets \[.*\] on "
-                             r"rank\(s\) \[\d\] overlaps .* on rank\(s\) \[\d\]: the ranks' "
-                             r"shards do not tile its shape \[7, 2\]"):
-        dcp.compat.save({"overlapping": overlapping}, checkpoint_id=bad)
+                       match=r"'wrong': DTensor of shape \(2, 2\) at offsets \(6, 0\) does not "
+                             r"fit global shape \(7, 2\)" if ws == 4 else
+                             r"'wrong': DTensor of shape \(4, 2\) at offsets \(4, 0\) does not "
+                             r"fit global shape \(7, 2\)"):
+        dcp.compat.save({"wrong": wrong}, checkpoint_id=bad)
+    short = {2: [3, 3], 4: [2, 2, 1, 1]}[ws]  # 6 rows of 7
+    missing = DTensor.from_local(torch.zeros(short[rank], 2), mesh, [Shard(0)],
+                                 run_check=False, shape=(7, 2), stride=(2, 1))
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"'missing': the ranks' chunks cover 12 of its 14 elements"):
+        dcp.compat.save({"missing": missing}, checkpoint_id=bad)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    lo = sum(_SKEWED[ws][:rank])
+    strided = DTensor.from_local(_several("skewed")[lo:lo + _SKEWED[ws][rank]].clone(), mesh,
+                                 [_StridedShard(0, split_factor=2)], run_check=False,
+                                 shape=(7, 2), stride=(2, 1))
+    with pytest.raises(dcp.CheckpointError,
+                       match=r"'strided': a DTensor with strided-shard placements"):
+        dcp.save({"strided": strided}, str(bad))
+
+    class Failing:  # raises on the last rank only, before its leaves are known
+        def state_dict(self):
+            if rank == ws - 1:
+                raise ValueError("no state here")
+            return {"w": sd["skewed"]}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    with pytest.raises(dcp.CheckpointError, match=rf"failed on rank {ws - 1}: .*no state here"):
+        dcp.save({"m": Failing()}, str(bad))
+    with pytest.raises(dcp.CheckpointError, match=rf"failed on rank {ws - 1}: .*no state here"):
+        dcp.load({"m": Failing()}, str(ctx.shared / name), strict=False)
 
     class Broken(Checkpointable):
         def __get_tensor_shard__(self, index):
@@ -948,6 +1015,30 @@ def _load_several(ctx, name):
     lo = sum(_UNEVEN[ws][:rank])
     assert_bitwise_equal(uneven["uneven"].to_local(),
                          _several("uneven")[lo:lo + _UNEVEN[ws][rank]], "uneven DTensor")
+
+    # shards the placements do not give, saved at the other W: into plain
+    # tensors, the same layout, the placements' layout, and the placements'
+    # layout saved into them
+    whole = {"skewed": torch.zeros(7, 2)}
+    dcp.compat.load(whole, checkpoint_id=ctx.shared / name)
+    assert_bitwise_equal(whole["skewed"], _several("skewed"), "skewed DTensor as plain")
+    for source, sizes, load in (("skewed", _SKEWED[ws], dcp.compat.load),
+                                ("skewed", _UNEVEN[ws], dcp.compat.load),
+                                ("uneven", _SKEWED[ws], dcp.load)):
+        target = _uneven(torch.zeros(7, 2), ws, rank, mesh, sizes)
+        if load is dcp.load:
+            dcp.load({source: target}, str(ctx.shared / name))
+        else:
+            dcp.compat.load({source: target}, checkpoint_id=ctx.shared / name)
+        lo = sum(sizes[:rank])
+        assert_bitwise_equal(target.to_local(), _several(source)[lo:lo + sizes[rank]],
+                             f"{source} into rows {sizes}")
+    if ws == 2:  # saved at W=4 on a (2, 2) mesh
+        whole = {"skewed_2d": torch.zeros(7, 2), "skewed_replicated": torch.zeros(7, 2)}
+        dcp.load(whole, str(ctx.shared / name))
+        assert_bitwise_equal(whole["skewed_2d"], _several("skewed"), "skewed 2-D mesh as plain")
+        assert_bitwise_equal(whole["skewed_replicated"], _several("uneven"),
+                             "skewed replicated as plain")
 
     # no targets: dcp.load_keys, and torch's _load_state_dict_from_keys routed to it
     from torch.distributed.checkpoint import state_dict_loader  # noqa: F401 - torch's module

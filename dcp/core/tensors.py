@@ -13,7 +13,11 @@ Three kinds of leaves are understood:
 * ``DTensor`` with ``Shard``, ``Replicate`` and strided-shard placements on any
   device mesh: the local shard's box comes from torch's own placement
   arithmetic (``compute_local_shape_and_global_offset``), uneven and empty
-  shards included.
+  shards included.  A DTensor built with ``DTensor.from_local(..., shape=,
+  stride=)`` over local shards the placements do not give (7 rows as 5 and
+  2) has its real local shape, at offsets only the other ranks' local
+  shapes tell (:func:`placed_box`, :func:`uneven_offsets`; agreed
+  by :mod:`dcp.coordination.dtensor_offsets`).
 * :class:`TensorShard`: a Megatron-style description (local tensor + global
   shape + global offsets) for frameworks without DTensor.
 * ``ShardedTensor`` (FSDP1's ``SHARDED_STATE_DICT``, torchrec): each local
@@ -39,10 +43,11 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import itertools
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -216,12 +221,15 @@ def describe(fqn: str, value: Any) -> LocalChunk:
     return chunks[0]
 
 
-def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
+def load_chunks(fqn: str, value: Any,
+                offsets: tuple[int, ...] | None = None) -> list[LocalChunk]:
     """Every box this rank holds of a tensor-like leaf, as load targets
     filled in place: one for most leaves, one per local shard of a
     ``ShardedTensor`` or of a checkpointable tensor (:func:`_checkpointable`),
     an empty box for a DTensor whose mesh does not contain this rank (or a
-    leaf with no local shard here).
+    leaf with no local shard here).  ``offsets`` (elements, one per
+    dimension) place a DTensor's local shard where its placements do not
+    (:func:`uneven_offsets`); ``None``: where they do.
 
     Raises :class:`CheckpointError` naming ``fqn`` for an unsupported dtype
     or a box outside the global shape.
@@ -232,23 +240,31 @@ def load_chunks(fqn: str, value: Any) -> list[LocalChunk]:
         return [_empty_chunk(fqn, value)]
     if _is_checkpointable(value):
         return _checkpointable(fqn, value, save=False) or [_empty_chunk(fqn, value)]
-    return [_one_chunk(fqn, value)]
+    return [_one_chunk(fqn, value, offsets)]
 
 
-def _one_chunk(fqn: str, value: Any) -> LocalChunk:
-    """The one box of a tensor, DTensor or :class:`TensorShard`."""
+def _placement_box(value: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(sizes, offsets)`` of this rank's shard as its placements give them
+    (torch's own arithmetic)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements)
+    return tuple(sizes), tuple(offsets)
+
+
+def _one_chunk(fqn: str, value: Any, offsets: tuple[int, ...] | None = None) -> LocalChunk:
+    """The one box of a tensor, DTensor or :class:`TensorShard`; a
+    DTensor's local shard at ``offsets`` if given, else at its placements'."""
     if is_dtensor(value):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = value._local_tensor
         global_shape = tuple(value.shape)
-        sizes, offsets = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements)
-        # torch's placement arithmetic gives the offsets; the local tensor its
-        # real shape (DTensor.from_local(..., shape=, stride=) may shard
-        # unevenly in a way the placements do not say); the save's coverage
-        # check refuses boxes that then do not tile the global shape
-        sizes, offsets = tuple(local.shape), tuple(offsets)
+        # the local tensor's real shape; the placements' offsets unless the
+        # ranks agreed on others (uneven_offsets); the save's coverage check
+        # refuses boxes that then do not tile the global shape
+        sizes = tuple(local.shape)
+        if offsets is None:
+            offsets = _placement_box(value)[1]
         if 0 in sizes:  # an empty shard: its offsets may lie past the end
             offsets = (0,) * len(sizes)
         _check_box(fqn, "DTensor", sizes, offsets, global_shape)
@@ -282,11 +298,12 @@ def _empty_chunk(fqn: str, value: Any) -> LocalChunk:
                       torch.empty(sizes, dtype=value.dtype))
 
 
-def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
+def describe_chunks(fqn: str, value: Any,
+                    offsets: tuple[int, ...] | None = None) -> list[LocalChunk]:
     """Every box this rank holds of a tensor-like leaf, to be saved: one for
     most leaves, one per local shard of a ``ShardedTensor`` or of a
     checkpointable tensor, none for a DTensor whose mesh does not contain
-    this rank.
+    this rank; ``offsets`` as :func:`load_chunks`'.
 
     Raises :class:`CheckpointError` naming ``fqn`` for a tensor on the meta
     device (it holds no values), besides :func:`load_chunks`' errors.
@@ -299,7 +316,83 @@ def describe_chunks(fqn: str, value: Any) -> list[LocalChunk]:
         return []
     if _is_checkpointable(value):
         return _checkpointable(fqn, value, save=True)
-    return [_one_chunk(fqn, value)]
+    return [_one_chunk(fqn, value, offsets)]
+
+
+def dtensors_possible() -> bool:
+    """Whether a DTensor can exist in this process (``torch.distributed.tensor``
+    is imported), without importing it."""
+    return "torch.distributed.tensor" in sys.modules
+
+
+def placed_box(value: Any) -> tuple[tuple[int, ...], tuple[int, ...], bool] | None:
+    """For a DTensor that :func:`uneven_offsets` can place (on a mesh holding
+    this rank, described by its placements, not a checkpointable one): its
+    local shape, the offsets its placements give, and whether its local
+    shard is not empty and of another shape than they give
+    (``DTensor.from_local(..., shape=, stride=)`` over other sizes; an empty
+    one needs no offsets).  ``None`` for any other leaf."""
+    if not is_dtensor(value) or not _on_mesh(value) or _is_checkpointable(value):
+        return None
+    local = tuple(value._local_tensor.shape)
+    sizes, offsets = _placement_box(value)
+    return local, offsets, 0 not in local and local != sizes
+
+
+def uneven_offsets(fqn: str, value: DTensor,
+                   shape_of: Callable[[int], tuple[int, ...] | None]) -> tuple[int, ...]:
+    """This rank's offsets (elements, one per dimension) in a DTensor
+    whose ranks hold local shards of any sizes, from every mesh rank's local
+    shape (``shape_of(global rank)``, ``None`` where it is unknown).
+
+    Along a tensor dimension, the offset is the sum of the sizes of the
+    shards before this rank's: those of the mesh ranks that share its
+    coordinates on every mesh dimension not sharding that tensor dimension
+    (``Replicate`` ones hold replicas) and come before it in the order of
+    the sharding mesh dimensions (several shard one tensor dimension in
+    placement order: the first splits it, the next each part, as torch's
+    ``Shard`` does).  Unsharded dimensions start at 0.
+
+    Raises :class:`CheckpointError` naming ``fqn`` for strided-shard
+    placements (``_StridedShard``: their order is not the mesh's) and for a
+    mesh rank whose shape is unknown.
+    """
+    mesh = value.device_mesh
+    mine = tuple(mesh.get_coordinate() or ())
+    ranks = mesh.mesh.tolist()
+    placements = tuple(value.placements)
+    if any(getattr(p, "split_factor", None) is not None for p in placements):
+        raise CheckpointError(
+            f"{fqn!r}: a DTensor with strided-shard placements {placements} whose local shards "
+            f"are uneven in a way the placements do not give cannot be placed")
+    ndim = len(value.shape)
+
+    def rank_at(coordinate: tuple[int, ...]) -> int:
+        at: Any = ranks
+        for c in coordinate:
+            at = at[c]
+        return int(at)
+
+    offsets = []
+    for d in range(ndim):
+        sharding = [m for m, p in enumerate(placements) if p.is_shard() and
+                    getattr(p, "dim", 0) % ndim == d]
+        total = 0
+        for before in itertools.product(*(range(mesh.size(m)) for m in sharding)):
+            if before >= tuple(mine[m] for m in sharding):
+                break
+            coordinate = list(mine)
+            for m, c in zip(sharding, before, strict=True):
+                coordinate[m] = c
+            rank = rank_at(tuple(coordinate))
+            shape = shape_of(rank)
+            if shape is None or len(shape) != ndim:
+                raise CheckpointError(
+                    f"{fqn!r}: the local shape of this DTensor on rank {rank} of its mesh is "
+                    f"unknown (that rank is not in the group saving or loading it)")
+            total += shape[d]
+        offsets.append(total)
+    return tuple(offsets)
 
 
 #: torch DCP's protocol of tensors that describe their own chunks

@@ -3,7 +3,9 @@
 Phases (each a collective step, so a failure on any rank raises on all):
 
 1. the coordinator reads the committed metadata once and broadcasts its bytes;
-2. every rank matches its state dict against it and the load planner turns
+2. every rank matches its state dict against it (DTensor targets whose
+   local shards the placements do not give placed by the ranks' agreement,
+   :mod:`dcp.coordination.dtensor_offsets`) and the load planner turns
    each needed box into reads of chunk intersections; the coordinator
    refuses ranks that passed another checkpoint id than its own (they would
    read its metadata's file names in their folders), and the global plan picks,
@@ -49,6 +51,7 @@ from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from dcp.coordination import dtensor_offsets
 from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
 from dcp.coordination.collectives import Coordinator
 from dcp.coordination.host_exchange import HostExchange, host_key
@@ -215,12 +218,19 @@ class _Load:
     before_planning: Callable[[Metadata | None], None] | None = None
 
     def local_plan(self) -> LoadPlan:
-        if self.before_planning is not None:
-            self.before_planning(self.metadata)
-        self.leaves = flatten(self.state_dict, tensors.is_tensor)
+        try:
+            if self.before_planning is not None:
+                self.before_planning(self.metadata)
+            self.leaves = flatten(self.state_dict, tensors.is_tensor)
+        except BaseException:
+            dtensor_offsets.agree(self.coord, None)  # the others wait in the agreement
+            raise
+        # the offsets of DTensor targets whose local shards the placements do not give
+        offsets = dtensor_offsets.agree(
+            self.coord, {fqn: leaf.value for fqn, leaf in self.leaves.items()})
         for fqn, leaf in self.leaves.items():
             if tensors.is_tensor(leaf.value):
-                for chunk in tensors.load_chunks(fqn, leaf.value):  # several: local shards
+                for chunk in tensors.load_chunks(fqn, leaf.value, offsets.get(fqn)):
                     self.targets.append(chunk)
                     self.requests.append(ReadRequest(fqn, chunk.offsets, chunk.sizes,
                                                      chunk.global_shape, chunk.dtype))

@@ -3,7 +3,9 @@
 Phases, each a collective step of :class:`~dcp.coordination.collectives.Coordinator` so a
 failure anywhere fails the save on every rank:
 
-1. *planning* — every rank describes what it holds; the coordinator refuses
+1. *planning* — every rank describes what it holds (DTensors whose local
+   shards the placements do not give placed by the ranks' agreement,
+   :mod:`dcp.coordination.dtensor_offsets`); the coordinator refuses
    to replace a committed checkpoint unless ``overwrite=True``, and the save
    planner deduplicates and balances the chunks;
 2. *writing* — every rank stages what it writes from accelerators into
@@ -32,6 +34,7 @@ or by the next save that commits there.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -46,7 +49,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from dcp.coordination import wire
+from dcp.coordination import dtensor_offsets, wire
 from dcp.coordination.collectives import Coordinator, CoordinatorBase
 from dcp.coordination.plan_cache import PlanCache
 from dcp.core import compression as codec
@@ -519,25 +522,40 @@ class SaveState:
     paths: dict[str, list[str | int]] = field(default_factory=dict)
 
 
+#: How the ranks agree on the offsets of DTensors their placements do not
+#: place: the leaves by fqn (``None``: this rank failed before knowing them)
+#: to this rank's offsets of those concerned (:func:`dcp.coordination.dtensor_offsets.agree`).
+AgreeOffsets = Callable[[dict[str, Any] | None], dict[str, tuple[int, ...]]]
+
+
 def describe_state(state_dict: dict, allow_pickle: bool, rank: int = 0,
-                   world_size: int = 1) -> SaveState:
+                   world_size: int = 1, agree: AgreeOffsets | None = None) -> SaveState:
     """Flatten ``state_dict`` into a :class:`SaveState` whose chunks refer to
     the caller's tensors (no copy); ``rank`` of ``world_size`` places the
     caller for the replica slots.  Stateful values are saved as what their
     ``state_dict()`` returns now (:mod:`dcp.core.stateful`), MindSpore
     tensors as torch tensors over their host bytes
-    (:mod:`dcp.core.mindspore_tensors`).  Raises :class:`CheckpointError`
-    naming the fqn for an unsupported leaf."""
+    (:mod:`dcp.core.mindspore_tensors`).  ``agree`` (collective, on every
+    rank or none) places DTensors whose local shards the placements do not
+    give; without it they are placed by their placements.  Raises
+    :class:`CheckpointError` naming the fqn for an unsupported leaf."""
     state = SaveState()
-    resolved = stateful.resolve(
-        state_dict, tensors.is_tensor,
-        substitute=mindspore_tensors.for_save if mindspore_tensors.imported() else None
-    ).state_dict
-    for fqn, leaf in flatten(resolved, tensors.is_tensor).items():
+    try:
+        resolved = stateful.resolve(
+            state_dict, tensors.is_tensor,
+            substitute=mindspore_tensors.for_save if mindspore_tensors.imported() else None
+        ).state_dict
+        leaves = flatten(resolved, tensors.is_tensor)
+    except BaseException:
+        if agree is not None:  # the others wait in the agreement
+            agree(None)
+        raise
+    offsets = agree({fqn: leaf.value for fqn, leaf in leaves.items()}) if agree else {}
+    for fqn, leaf in leaves.items():
         if leaf.path != (fqn,):
             state.paths[fqn] = list(leaf.path)
         if tensors.is_tensor(leaf.value):
-            for chunk in tensors.describe_chunks(fqn, leaf.value):
+            for chunk in tensors.describe_chunks(fqn, leaf.value, offsets.get(fqn)):
                 state.chunks[(fqn, chunk.offsets)] = chunk
                 state.slots[(fqn, chunk.offsets)] = tensors.replica_slot(
                     leaf.value, rank, world_size)
@@ -913,8 +931,9 @@ def save(state_dict: dict, checkpoint_id: str, *, planner: SavePlanner | None = 
     if storage is None:
         storage = open_storage(str(checkpoint_id), **(storage_options or {}))
     planner = planner if planner is not None else cast(SavePlanner, default_planner("save"))
-    job = _Save(lambda: describe_state(state_dict, allow_pickle), storage, planner, coordinator,
-                overwrite, before_commit, policy)
+    agree = functools.partial(dtensor_offsets.agree, coordinator)
+    job = _Save(lambda: describe_state(state_dict, allow_pickle, agree=agree), storage, planner,
+                coordinator, overwrite, before_commit, policy)
     with gc_paused():
         if coordinator.world_size == 1:  # nothing to exchange
             return job.run()
