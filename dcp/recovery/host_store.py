@@ -218,12 +218,16 @@ class HostStore:
         return total
 
     # --------------------------------------------------------------- reading
-    def metadata(self, step: int) -> Metadata:
-        path = self.step_dir(step) / md_codec.METADATA_FILE
+    def metadata_bytes(self, step: int) -> bytes:
+        """The encoded metadata of ``step`` (its ``metadata.json``)."""
         try:
-            return md_codec.decode(path.read_bytes(), str(path))
+            return (self.step_dir(step) / md_codec.METADATA_FILE).read_bytes()
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"{self.where(step)}: no metadata.json") from e
+
+    def metadata(self, step: int) -> Metadata:
+        return md_codec.decode(self.metadata_bytes(step),
+                               str(self.step_dir(step) / md_codec.METADATA_FILE))
 
     def held(self, step: int) -> dict[int, tuple[str, int]]:
         """Chunk id -> ``(file, byte offset)`` of every chunk this host holds

@@ -91,14 +91,17 @@ def find(g: TierGroup, persistent: list[int], passed: set[int]) -> Found | None:
     or ``None``.  Collective over the tier's group; ``persistent`` is the
     complete persistent steps (the same list on every rank)."""
     report: dict[int, tuple[str, np.ndarray, int]] = {}
+    decoded: dict[int, tuple[bytes, Metadata]] = {}  # each step's metadata read and decoded once
     if g.leader:
         for step in g.store.steps():
             if step in passed:
                 continue
             try:
-                md = g.store.metadata(step)
+                raw = g.store.metadata_bytes(step)
+                md = md_codec.decode(raw, f"{g.store.where(step)}: metadata.json")
             except CheckpointError:
                 continue
+            decoded[step] = (raw, md)
             ids = np.array(sorted(g.store.held(step)), dtype=np.int64)
             report[step] = (md.save_id, ids, len(chunk_table(md)[0]))
     everyone = g.all_gather(report)
@@ -113,12 +116,14 @@ def find(g: TierGroup, persistent: list[int], passed: set[int]) -> Found | None:
         held = placement.holdings(hosts, chunks, n)
         if int((held[2] > 0).sum()) < n and step not in persistent:
             continue
-        box = [g.store.metadata(step) if g.rank == ranks[0] else None]
+        # the step's metadata as its first holder's leader read it: the file's
+        # bytes broadcast, decoded once on each other rank
         src = dist.get_global_rank(g.group, ranks[0])
-        payload = [md_codec.encode(box[0]) if box[0] is not None else None]
+        payload = [decoded[step][0] if g.rank == ranks[0] else None]
         dist.broadcast_object_list(payload, src=src, group=g.group)
         assert payload[0] is not None
-        md = md_codec.decode(payload[0], f"memory step {step} (from rank {ranks[0]})")
+        md = decoded[step][1] if g.rank == ranks[0] else md_codec.decode(
+            payload[0], f"memory step {step} (from rank {ranks[0]})")
         return Found(step, md, held, step in persistent)
     return None
 
@@ -133,6 +138,8 @@ def _plan(md: Metadata, leaves: dict, where: str):
     by_fqn: dict[str, list[int]] = {}
     for cid, fqn in enumerate(fqns):
         by_fqn.setdefault(fqn, []).append(cid)
+    same = {(fqn, tuple(box[0]), tuple(box[1])): cid
+            for cid, (fqn, box) in enumerate(zip(fqns, boxes, strict=True)) if box}
     tasks, blobs, values, missing = [], [], [], []
     for fqn, leaf in leaves.items():
         if tensors.is_tensor(leaf.value):
@@ -141,8 +148,8 @@ def _plan(md: Metadata, leaves: dict, where: str):
                 missing.append(fqn)
                 continue
             ids = by_fqn[fqn]
-            offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(len(ids), -1)
-            szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(len(ids), -1)
+            offs: np.ndarray | None = None
+            szs: np.ndarray | None = None
             for box in tensors.load_chunks(fqn, leaf.value):  # a ShardedTensor: several
                 if tuple(box.global_shape) != tuple(saved.shape) or box.dtype != saved.dtype:
                     raise CheckpointError(f"{where}: {fqn!r} is saved as {list(saved.shape)} "
@@ -150,6 +157,16 @@ def _plan(md: Metadata, leaves: dict, where: str):
                                           f"{list(box.global_shape)} {box.dtype}")
                 if 0 in box.sizes:
                     continue
+                exact = same.get((fqn, tuple(box.offsets), tuple(box.sizes)))
+                if exact is not None:  # the box is a chunk (a restore in the saved layout)
+                    tasks.append((exact, box.data, [0] * len(box.sizes), list(box.sizes)))
+                    continue
+                if offs is None or szs is None:
+                    offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(
+                        len(ids), -1)
+                    szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(
+                        len(ids), -1)
+                assert offs is not None and szs is not None
                 rows, lo, size = intersect_many(offs, szs, box.offsets, box.sizes)
                 for row, low, sz in zip(rows, lo, size, strict=True):
                     cid = ids[row]
