@@ -7,6 +7,7 @@ the memory refuses a step instead of crashing."""
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 
@@ -93,3 +94,35 @@ def test_a_new_save_of_a_step_leaves_nothing_of_an_earlier_one_counting(tmp_path
     assert store.metadata(5).save_id == "new"
     assert store.record_failure(5, "copies damaged") == 1  # the old failure was cleared
     assert bytes(store.mapped(5, "r00000.data")) == b"newbytes"
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("interval", 0, "an integer >= 1"),
+    ("replicas", 1.5, "an integer >= 0"),
+    ("timeout", 0, "seconds, > 0"),
+    ("restore_timeout", "10", "seconds, > 0"),
+    ("bandwidth", "1GB", "bytes per second, > 0, or None"),
+    ("bandwidth", True, "bytes per second"),
+    ("host_bytes", -1, "bytes, > 0, or None"),
+    ("host", "", "a non-empty string"),
+    ("host", 3, "a non-empty string"),
+    ("run_id", "", "a non-empty string"),
+    ("namespace", "", "a folder's path"),
+    ("domains", ["a"], "a mapping of host name to failure domain name"),
+    ("domains", {"h0": 1}, "a mapping of host name to failure domain name"),
+    ("on_corruption", 5, "a callable"),
+])
+def test_a_memory_tier_refuses_bad_values_naming_the_option(option, value, said) -> None:
+    import dcp
+
+    with pytest.raises(dcp.CheckpointError,
+                       match=re.escape(f"MemoryTier({option}={value!r}): {said}")):
+        dcp.MemoryTier(**{option: value})
+
+
+def test_a_manager_refuses_a_memory_tier_that_is_not_one(tmp_path) -> None:
+    import dcp
+
+    with pytest.raises(dcp.CheckpointError, match=r"memory='yes': a dcp.MemoryTier \(or None\), "
+                                                  r"not a str"):
+        dcp.CheckpointManager(str(tmp_path), memory="yes")  # type: ignore[arg-type]

@@ -245,6 +245,9 @@ class CheckpointManager:
         self.last_memory_save: MemorySave | None = None
         self._corruption: SilentDataCorruptionError | None = None
         if memory is not None:
+            if not isinstance(memory, MemoryTier):
+                raise CheckpointError(f"{self.root!r}: memory={memory!r}: a dcp.MemoryTier "
+                                      f"(or None), not a {type(memory).__name__}")
             if not self.distributed:
                 raise CheckpointError(f"{self.root!r}: the memory tier needs torch.distributed "
                                       f"initialized (its copies go to other hosts' ranks)")

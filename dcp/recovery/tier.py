@@ -92,15 +92,33 @@ class MemoryTier:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise CheckpointError(f"MemoryTier({name}={value!r}): an integer >= {low}")
-        if self.host_bytes is not None and self.host_bytes <= 0:
-            raise CheckpointError(f"MemoryTier(host_bytes={self.host_bytes!r}): a positive "
-                                  f"number of bytes, or None")
-        if self.bandwidth is not None and not self.bandwidth > 0:
-            raise CheckpointError(f"MemoryTier(bandwidth={self.bandwidth!r}): bytes per "
-                                  f"second, > 0, or None")
-        for name in ("timeout", "restore_timeout"):
-            if not getattr(self, name) > 0:
-                raise CheckpointError(f"MemoryTier({name}={getattr(self, name)!r}): seconds, > 0")
+        for name in ("timeout", "restore_timeout", "bandwidth", "host_bytes"):
+            value = getattr(self, name)
+            optional = name in ("bandwidth", "host_bytes")
+            if (value is None and optional) or (
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                continue
+            unit = "bytes" if name == "host_bytes" else (
+                "bytes per second" if name == "bandwidth" else "seconds")
+            raise CheckpointError(f"MemoryTier({name}={value!r}): {unit}, > 0"
+                                  f"{', or None' if optional else ''}")
+        for name in ("host", "run_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise CheckpointError(f"MemoryTier({name}={value!r}): a non-empty string, or "
+                                      f"None (the default)")
+        if self.namespace is not None and not (
+                isinstance(self.namespace, (str, os.PathLike)) and os.fspath(self.namespace)):
+            raise CheckpointError(f"MemoryTier(namespace={self.namespace!r}): a folder's path, "
+                                  f"or None ({DEFAULT_NAMESPACE})")
+        if self.domains is not None and not (
+                isinstance(self.domains, Mapping) and all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.domains.items())):
+            raise CheckpointError(f"MemoryTier(domains={self.domains!r}): a mapping of host "
+                                  f"name to failure domain name (strings), or None")
+        if self.on_corruption is not None and not callable(self.on_corruption):
+            raise CheckpointError(f"MemoryTier(on_corruption={self.on_corruption!r}): a "
+                                  f"callable taking the SilentDataCorruptionError, or None")
 
     @property
     def host_name(self) -> str:
