@@ -692,7 +692,11 @@ class _Load:
         except Exception as e:
             for plan in plans:  # the chunk whose frames fail alone, else the first
                 chunk = self.metadata.tensors[plan.fqn].chunks[plan.number]
-                self._fetch_frames(name, plan, chunk)
+                assert chunk.frames is not None
+                starts = chunk.frames.stored_offsets()
+                self._fetch(plan.fqn, chunk, [(chunk.byte_offset + starts[f], buf)
+                                              for f, buf in zip(plan.frames, plan.stored,
+                                                                strict=True)])
             first = self.metadata.tensors[plans[0].fqn].chunks[plans[0].number]
             raise self._read_error(plans[0].fqn, first, e) from e
         with self.lock:
@@ -700,19 +704,6 @@ class _Load:
             self.counts[cached][1] += len(requests)
         for plan in plans:
             self._decode(plan, items, cached, keep, out)
-
-    def _fetch_frames(self, name: str, plan: _Framed, chunk) -> None:
-        """Read the frames of one chunk of ``plan`` on their own; raises the
-        read error naming that chunk if they fail."""
-        assert chunk.frames is not None
-        starts = chunk.frames.stored_offsets()
-        runs = [read_plan.Run(chunk.byte_offset + starts[f], chunk.frames.stored[f], k, 0)
-                for k, f in enumerate(plan.frames)]
-        try:
-            self.storage.read_requests(name, _calls(
-                self.planner.create_requests(runs, self.storage.read_cost), plan.stored))
-        except Exception as e:
-            raise self._read_error(plan.fqn, chunk, e) from e
 
     def _decode(self, plan: _Framed, items: list[ReadItem], cached: bool,
                 keep: set[ReadItem], out: list) -> None:

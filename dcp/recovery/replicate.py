@@ -7,8 +7,8 @@ one after the other, in an order both know, of sizes both know.  Both cut
 it alike (:func:`pieces`): a part of :data:`PACK_BYTES` or more goes in
 pieces of its own (of :data:`PIECE_BYTES` at most), runs of smaller parts
 in packed pieces.  The receiver posts every receive first, straight into
-where each part belongs (a memory step's copies file, a restore's target
-tensor), so no exchange can deadlock; a packed piece lands in a buffer and
+where each part belongs (a memory step's copies file, a restore's
+buffer), so no exchange can deadlock; a packed piece lands in a buffer and
 is copied out to its parts.  The sender sends a piece of one part as it is
 and packs a packed piece into one of two reused buffers (the 64 MiB of
 transfer buffers of the memory bound).  Checksums are the callers' (every

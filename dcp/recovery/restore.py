@@ -148,8 +148,8 @@ def _plan(md: Metadata, leaves: dict, where: str):
                 missing.append(fqn)
                 continue
             ids = by_fqn[fqn]
-            offs: np.ndarray | None = None
-            szs: np.ndarray | None = None
+            offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(len(ids), -1)
+            szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(len(ids), -1)
             for box in tensors.load_chunks(fqn, leaf.value):  # a ShardedTensor: several
                 if tuple(box.global_shape) != tuple(saved.shape) or box.dtype != saved.dtype:
                     raise CheckpointError(f"{where}: {fqn!r} is saved as {list(saved.shape)} "
@@ -161,12 +161,6 @@ def _plan(md: Metadata, leaves: dict, where: str):
                 if exact is not None:  # the box is a chunk (a restore in the saved layout)
                     tasks.append((exact, box.data, [0] * len(box.sizes), list(box.sizes)))
                     continue
-                if offs is None or szs is None:
-                    offs = np.array([boxes[c][0] for c in ids], dtype=np.int64).reshape(
-                        len(ids), -1)
-                    szs = np.array([boxes[c][1] for c in ids], dtype=np.int64).reshape(
-                        len(ids), -1)
-                assert offs is not None and szs is not None
                 rows, lo, size = intersect_many(offs, szs, box.offsets, box.sizes)
                 for row, low, sz in zip(rows, lo, size, strict=True):
                     cid = ids[row]

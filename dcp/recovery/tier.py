@@ -92,14 +92,14 @@ class MemoryTier:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise CheckpointError(f"MemoryTier({name}={value!r}): an integer >= {low}")
-        for name in ("timeout", "restore_timeout", "bandwidth", "host_bytes"):
+        for name, unit, optional in (("timeout", "seconds", False),
+                                     ("restore_timeout", "seconds", False),
+                                     ("bandwidth", "bytes per second", True),
+                                     ("host_bytes", "bytes", True)):
             value = getattr(self, name)
-            optional = name in ("bandwidth", "host_bytes")
             if (value is None and optional) or (
                     isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
                 continue
-            unit = "bytes" if name == "host_bytes" else (
-                "bytes per second" if name == "bandwidth" else "seconds")
             raise CheckpointError(f"MemoryTier({name}={value!r}): {unit}, > 0"
                                   f"{', or None' if optional else ''}")
         for name in ("host", "run_id"):
