@@ -752,11 +752,13 @@ class _Save:
         for item in group:
             buf = self._bytes(item)
             parts: list[memoryview | bytes] = [buf]
-            if self.compression is not None and len(buf):
+            compressed = self.compression is not None and len(buf) > 0
+            if compressed:
                 dtype = self.dtypes[item.fqn]
                 parts, index = codec.compress(buf, dtype, DTYPE_ITEMSIZE[dtype], self.compression)
                 frames[(item.fqn, item.offsets)] = index
-            if len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
+            # compressed chunks are decoded, never mapped or read direct: no padding
+            if not compressed and len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
                 buffers.append(bytes(align - offset % align))
                 offset += align - offset % align
             buffers.extend(parts)
