@@ -45,6 +45,7 @@ import difflib
 import inspect
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Future
 from functools import cache, partial
 from typing import TypeVar
 
@@ -148,26 +149,52 @@ class S3Storage(FsspecStorage):
 
     def read_requests(self, name: str,
                       requests: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        self.read_streamed(name, requests, lambda i, j: None).result()
+
+    def read_streamed(self, name: str, requests: Sequence[tuple[int, Sequence[memoryview]]],
+                      arrived: Callable[[int, int], None]) -> Future[None]:
+        """The GETs started on s3fs's event loop; each view is reported as
+        soon as the body streamed into it has filled it (once, even where a
+        GET is retried)."""
         bucket, key, _ = self.fs.split_path(self.path(name))
-        calls = [partial(_error_wrapper, self._get_into,
-                         args=(name, bucket, key, offset, [memoryview(v).cast("B") for v in views]),
-                         retries=self.fs.retries)
-                 for offset, views in requests if any(len(v) for v in views)]
+        reported: set[tuple[int, int]] = set()
+
+        def report(i: int, j: int) -> None:
+            if (i, j) not in reported:
+                reported.add((i, j))
+                arrived(i, j)
+
+        calls: list[Callable[[], Awaitable[None]]] = []
+        for i, (offset, views) in enumerate(requests):
+            if any(len(v) for v in views):
+                calls.append(partial(_error_wrapper, self._get_into,
+                                     args=(name, bucket, key, offset,
+                                           [memoryview(v).cast("B") for v in views],
+                                           partial(report, i)),
+                                     retries=self.fs.retries))
+            else:
+                for j in range(len(views)):
+                    report(i, j)
+        return asyncio.run_coroutine_threadsafe(self._reads(name, calls), self.fs.loop)
+
+    async def _reads(self, name: str, calls: list[Callable[[], Awaitable[None]]]) -> None:
+        """Await ``calls`` (:meth:`_bounded`), an ``OSError`` naming the
+        object's URL."""
         try:
-            sync(self.fs.loop, self._bounded, calls)
+            await self._bounded(calls)
         except OSError as e:
             raise named(e, self.url(name)) from e
 
     async def _get_into(self, name: str, bucket: str, key: str, offset: int,
-                        views: list[memoryview]) -> None:
+                        views: list[memoryview], filled: Callable[[int], None]) -> None:
         """One ranged GET, its body read into ``views`` one after another as
-        it arrives."""
+        it arrives, ``filled(j)`` once view ``j`` is full."""
         size = sum(len(v) for v in views)
         out = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
                                      Range=f"bytes={offset}-{offset + size - 1}")
         body, pos = out["Body"], 0
         try:
-            for view in views:
+            for j, view in enumerate(views):
                 done = 0
                 while done < len(view):
                     n = await body.readinto(view[done:])
@@ -176,6 +203,7 @@ class S3Storage(FsspecStorage):
                                        f"before {size - pos - done} more bytes it should hold")
                     done += n
                 pos += done
+                filled(j)
         finally:
             body.close()
 

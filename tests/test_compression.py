@@ -8,9 +8,12 @@ small tensors span several."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import random
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -22,7 +25,9 @@ import dcp
 import s3_server
 from dcp.core import compression
 from dcp.core.metadata import METADATA_FILE, _pack, _unpack, decode
+from dcp.core.storage import open_storage
 from dist_harness import dist_scenario
+from storage_plugins.posix import PosixStorage
 from storage_plugins.shm import DEFAULT_ROOT
 
 SMALL = dcp.Compression(frame_bytes=4096)
@@ -389,3 +394,91 @@ def test_the_manager_saves_compressed_steps(tmp_path):
     assert torch.equal(target["w"], w)
     chunk = dcp.read_metadata(path).tensors["w"].chunks[0]
     assert chunk.frames is not None and len(chunk.frames.stored) == 4
+
+
+class _Trickle(PosixStorage):
+    """POSIX whose reads arrive one view at a time, last request first, on a
+    thread of their own (as a streamed GET body does), recording when each
+    view was filled; ``fail_after`` views, the read fails instead."""
+
+    def __init__(self, path, fail_after=None):
+        super().__init__(path)
+        self.filled: list[float] = []
+        self.fail_after = fail_after
+
+    def read_streamed(self, name, requests, arrived):
+        done = concurrent.futures.Future()
+
+        def run():
+            try:
+                for i in reversed(range(len(requests))):
+                    offset, views = requests[i]
+                    for j, view in enumerate(views):
+                        if self.fail_after is not None and len(self.filled) == self.fail_after:
+                            raise OSError(5, "injected EIO mid-stream", name)
+                        self.read_ranges(name, [(offset, view)])
+                        offset += len(view)
+                        self.filled.append(time.perf_counter())
+                        arrived(i, j)
+                        time.sleep(0.002)
+                done.set_result(None)
+            except Exception as e:
+                done.set_exception(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return done
+
+
+def test_frames_are_decoded_as_they_arrive(tmp_path, monkeypatch):
+    state = {f"w{k}": _value(torch.bfloat16, (64, 256), seed=k) for k in range(4)}
+    dcp.save(state, str(tmp_path / "c"), compression=SMALL)
+    decoded: list[float] = []
+    decode_frames = compression.decode_frames
+
+    def spy(*args, **kwargs):
+        decoded.append(time.perf_counter())
+        return decode_frames(*args, **kwargs)
+
+    monkeypatch.setattr(compression, "decode_frames", spy)
+    storage = _Trickle(str(tmp_path / "c"))
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(out, str(tmp_path / "c"), storage=storage)
+    assert all(_same(out[k], v) for k, v in state.items())
+    frames = sum(len(c.frames.stored) for t in dcp.read_metadata(str(tmp_path / "c"))
+                 .tensors.values() for c in t.chunks)
+    assert len(decoded) == frames == len(storage.filled) == 32  # 4 x 32 KiB in 4 KiB frames
+    assert decoded[0] < storage.filled[-1]  # the first frame decoded while others were in flight
+    rows = torch.empty(3, 256, dtype=torch.bfloat16)  # a partial load, frames out of order too
+    dcp.load({"w2": dcp.TensorShard(rows, (64, 256), (30, 0))}, str(tmp_path / "c"),
+             storage=_Trickle(str(tmp_path / "c")), strict=False)
+    assert _same(rows, state["w2"][30:33])
+
+
+def test_a_read_failing_mid_stream_names_the_chunk_and_does_not_hang(tmp_path):
+    state = {"w": _value(torch.float32, (64, 256))}
+    dcp.save(state, str(tmp_path / "c"), compression=SMALL)
+    out = {"w": torch.zeros(64, 256)}
+    with pytest.raises(dcp.CheckpointError, match=r"'w'.*injected EIO mid-stream"):
+        dcp.load(out, str(tmp_path / "c"), storage=_Trickle(str(tmp_path / "c"), fail_after=3))
+
+
+def test_s3_reports_each_view_once_as_it_fills():
+    url = s3_server.fresh_url("streamed")
+    options = s3_server.options(s3_server.endpoint())
+    data = bytes(range(256)) * 64
+    dcp.save({"b": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, url,
+             storage_options=options)
+    storage = open_storage(url, **options)
+    name = next(c.file for c in dcp.read_metadata(url, storage_options=options)
+                .tensors["b"].chunks)
+    views = [[memoryview(bytearray(n)) for n in sizes] for sizes in ((100, 28), (0, 1000), (1,))]
+    requests = [(0, views[0]), (500, views[1]), (16383, views[2])]
+    arrived: list[tuple[int, int]] = []
+    storage.read_streamed(name, requests, lambda i, j: arrived.append((i, j))).result()
+    assert sorted(arrived) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    assert bytes(views[0][0]) + bytes(views[0][1]) == data[:128]
+    assert bytes(views[1][1]) == data[500:1500] and bytes(views[2][0]) == data[16383:]
+    failed = storage.read_streamed(name, [(16000, [memoryview(bytearray(1000))])],
+                                   lambda i, j: arrived.append((i, j)))
+    with pytest.raises(EOFError, match=name):
+        failed.result()

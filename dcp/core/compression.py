@@ -13,8 +13,9 @@ are noise) but the sign/exponent bytes of neighbouring elements are alike:
 grouping byte ``j`` of every element together before zstd (the "byte
 shuffle" of Blosc and HDF5) lets zstd's Huffman stage code them near
 their entropy; a match search in the noise only costs (:data:`ENTROPY_PARAMS`).
-Integer and bool chunks get plain zstd at the policy's level.  A frame that does not shrink is stored raw, so compression
-never grows a chunk by more than nothing.
+Integer and bool chunks get plain zstd at the policy's level.  A frame
+that does not shrink is stored raw, so compression never grows a chunk by
+more than nothing.
 
 Two checksums cover a compressed chunk: each frame's CRC-32C of its *stored*
 bytes, checked before it is decoded (a flipped byte never reaches the
@@ -184,10 +185,16 @@ def _group(piece: memoryview, itemsize: int) -> memoryview:
 
 
 def _ungroup(data: bytes, itemsize: int, out: memoryview) -> None:
+    """:func:`_group` undone into ``out``: each element built as a
+    little-endian integer from its bytes, highest first, by shifts and ORs
+    (2 MiB of bf16 in 0.3-0.4 ms here, against 0.63 ms for one strided copy
+    per byte position)."""
     grouped = np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1)
-    elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    for j in range(itemsize):
-        elements[:, j] = grouped[j]
+    elements = np.frombuffer(out, dtype=np.dtype(f"<u{itemsize}"))
+    np.copyto(elements, grouped[itemsize - 1], casting="unsafe")
+    for j in range(itemsize - 2, -1, -1):
+        np.left_shift(elements, 8, out=elements)
+        np.bitwise_or(elements, grouped[j], out=elements, casting="unsafe")
 
 
 def compress(buffer: memoryview, dtype: str, itemsize: int,

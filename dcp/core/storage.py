@@ -20,7 +20,8 @@ import functools
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
@@ -135,6 +136,33 @@ class StoragePlugin(abc.ABC):
             for view in views:
                 view[:] = buf[pos:pos + len(view)]
                 pos += len(view)
+
+    def read_streamed(self, name: str, requests: Sequence[tuple[int, Sequence[memoryview]]],
+                      arrived: Callable[[int, int], None]) -> Future[None]:
+        """:meth:`read_requests`, started, with word of each view as it is
+        filled: ``arrived(i, j)`` once view ``j`` of request ``i`` holds its
+        bytes, called at most once per view, from any thread (it must be
+        quick: a queue's ``put``), and before the returned future completes.
+        The future completes when every request has; it holds the error if
+        one failed (some views may then never arrive).
+
+        The load decodes the frames of compressed chunks as they arrive,
+        while the rest are still in flight.  The default runs
+        :meth:`read_requests` on the calling thread and reports every view
+        at its end; plugins whose requests arrive over time (a streamed GET
+        body) report views as they fill.
+        """
+        done: Future[None] = Future()
+        try:
+            self.read_requests(name, requests)
+        except Exception as e:
+            done.set_exception(e)
+            return done
+        for i, (_, views) in enumerate(requests):
+            for j in range(len(views)):
+                arrived(i, j)
+        done.set_result(None)
+        return done
 
     @contextlib.contextmanager
     def mapped(self, name: str) -> Iterator[memoryview | None]:

@@ -43,6 +43,7 @@ import functools
 import hashlib
 import io
 import os
+import queue
 import threading
 import uuid
 from collections import defaultdict
@@ -50,6 +51,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
+
+import torch
 
 from dcp.coordination import dtensor_offsets
 from dcp.coordination.broadcast import Broadcaster, ReplicaGroups
@@ -93,6 +96,16 @@ class _Framed:
     @property
     def stored_bytes(self) -> int:
         return sum(len(b) for b in self.stored)
+
+
+@dataclass
+class _Decoding:
+    """A compressed chunk's frames being decoded as they arrive: its plan,
+    its logical bytes once the first frame is in, the frames decoded."""
+
+    plan: _Framed
+    logical: torch.Tensor | None = None
+    decoded: int = 0
 
 
 @dataclass
@@ -666,17 +679,19 @@ class _Load:
         """Read the covering frames of the compressed chunks ``plans`` of
         file ``name`` (:meth:`_frames_of`) in the planner's requests over
         their stored bytes (per chunk; requests of chunks that lie end to
-        end joined), in one ``read_requests`` call for them all (as
-        uncompressed chunks go in waves); then,
-        per chunk, check each frame's CRC-32C of its stored bytes before
-        decoding it (on this thread, a reader's) into a buffer of the
-        chunk's logical size, whose pages outside the decoded frames are
-        never touched, and the chunk's CRC-32C of its logical bytes where
-        all were decoded."""
+        end joined), in one :meth:`~dcp.core.storage.StoragePlugin.read_streamed`
+        call for them all (as uncompressed chunks go in waves), and decode
+        each frame on this thread (a reader's) as soon as its stored bytes
+        have arrived, while the later ones are still in flight: its CRC-32C
+        of its stored bytes first, then into a buffer of the chunk's logical
+        size, whose pages outside the decoded frames are never touched.  A
+        chunk whose frames are all decoded goes to its targets at once, its
+        CRC-32C of its logical bytes checked where all were decoded."""
         cost = self.storage.read_cost
         requests: list[read_plan.Request] = []
         stored: list[memoryview] = []
-        for plan in plans:
+        owner: list[tuple[int, int]] = []  # per stored buffer: its plan and frame position
+        for p, plan in enumerate(plans):
             chunk = self.metadata.tensors[plan.fqn].chunks[plan.number]
             assert chunk.frames is not None
             starts = chunk.frames.stored_offsets()
@@ -684,11 +699,37 @@ class _Load:
                 [read_plan.Run(chunk.byte_offset + starts[f], chunk.frames.stored[f],
                                len(stored) + k, 0) for k, f in enumerate(plan.frames)], cost)
             stored += plan.stored
+            owner += [(p, k) for k in range(len(plan.frames))]
         # each chunk's frames planned on their own (no bytes of another chunk
         # read through), those that lie end to end in one request
         requests = read_plan.join_adjacent(requests, cost.max_request_bytes)
+        sinks = _view_sinks(requests)
+        views_left = [0] * len(stored)  # a frame may be cut over several requests
+        for row in sinks:
+            for sink in row:
+                if sink is not None:
+                    views_left[sink] += 1
+        decoding = [_Decoding(plan) for plan in plans]
+        arrivals: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        reads = self.storage.read_streamed(name, _calls(requests, stored),
+                                           lambda i, j: arrivals.put((i, j)))
+        reads.add_done_callback(lambda _: arrivals.put(None))
         try:
-            self.storage.read_requests(name, _calls(requests, stored))
+            while (got := arrivals.get()) is not None:
+                sink = sinks[got[0]][got[1]]
+                if sink is None:
+                    continue
+                views_left[sink] -= 1
+                if not views_left[sink]:
+                    p, k = owner[sink]
+                    if self._decode_frame(decoding[p], k):
+                        self._decode_done(decoding[p], items, cached, keep, out)
+        except BaseException:
+            reads.cancel()
+            wait([reads])
+            raise
+        try:
+            reads.result()
         except Exception as e:
             for plan in plans:  # the chunk whose frames fail alone, else the first
                 chunk = self.metadata.tensors[plan.fqn].chunks[plan.number]
@@ -702,27 +743,38 @@ class _Load:
         with self.lock:
             self.counts[cached][0] += sum(r.length for r in requests)
             self.counts[cached][1] += len(requests)
-        for plan in plans:
-            self._decode(plan, items, cached, keep, out)
 
-    def _decode(self, plan: _Framed, items: list[ReadItem], cached: bool,
-                keep: set[ReadItem], out: list) -> None:
-        """Decode the frames read for ``plan`` into the chunk's logical
-        bytes and hand its regions to their targets."""
+    def _decode_frame(self, state: _Decoding, k: int) -> bool:
+        """Decode frame position ``k`` of ``state``'s plan into the chunk's
+        logical bytes; whether that was its last frame."""
+        plan = state.plan
         saved = self.metadata.tensors[plan.fqn]
         chunk = saved.chunks[plan.number]
         assert chunk.frames is not None
-        logical = tensors.empty_bytes(chunk.nbytes)
-        view = tensors.byte_view(logical)
+        if state.logical is None:
+            state.logical = tensors.empty_bytes(chunk.nbytes)
         compression.decode_frames(
-            chunk.frames, plan.frames, plan.stored, view, DTYPE_ITEMSIZE[saved.dtype],
+            chunk.frames, plan.frames[k:k + 1], plan.stored[k:k + 1],
+            tensors.byte_view(state.logical), DTYPE_ITEMSIZE[saved.dtype],
             f"{plan.fqn!r}: compressed chunk at offsets {list(chunk.offsets)} (from byte "
             f"{chunk.byte_offset}) of file {chunk.file!r}", check=self.verify != "none")
+        state.decoded += 1
+        return state.decoded == len(plan.frames)
+
+    def _decode_done(self, state: _Decoding, items: list[ReadItem], cached: bool,
+                     keep: set[ReadItem], out: list) -> None:
+        """Hand the regions of a chunk whose frames are all decoded to
+        their targets."""
+        plan, logical = state.plan, state.logical
+        assert logical is not None
+        saved = self.metadata.tensors[plan.fqn]
+        chunk = saved.chunks[plan.number]
         designated = self.checks is None or (plan.fqn, plan.number) in self.checks
         check = plan.whole and self.verify != "none" and designated and not cached
         sink = _Sink(chunk, saved.dtype, plan.indices, chunk.nbytes,
                      tensors.from_bytes(logical, saved.dtype, chunk.sizes), check, False, True)
-        self._finish(sink, view, items, keep, out)
+        self._finish(sink, tensors.byte_view(logical), items, keep, out)
+        state.logical = None
 
     def _whole_chunk(self, fqn: str, number: int, items: list[ReadItem]) -> bool:
         """Whether this rank reads chunk ``number`` of ``fqn`` whole for its
@@ -963,6 +1015,22 @@ def _calls(requests: list[read_plan.Request],
             pos = run.offset + run.length
         calls.append((request.offset, parts))
     return calls
+
+
+def _view_sinks(requests: list[read_plan.Request]) -> list[list[int | None]]:
+    """Per request, per view of it as :func:`_calls` lays them out: the
+    ``views`` index its bytes go to, ``None`` for a gap's scratch view."""
+    out = []
+    for request in requests:
+        row: list[int | None] = []
+        pos = request.offset
+        for run in request.runs:
+            if run.offset > pos:
+                row.append(None)
+            row.append(run.sink)
+            pos = run.offset + run.length
+        out.append(row)
+    return out
 
 
 def _byte_runs(chunk: ChunkMeta, item: ReadItem, itemsize: int):

@@ -753,7 +753,7 @@ class _Save:
             buf = self._bytes(item)
             parts: list[memoryview | bytes] = [buf]
             compressed = self.compression is not None and len(buf) > 0
-            if compressed:
+            if self.compression is not None and compressed:
                 dtype = self.dtypes[item.fqn]
                 parts, index = codec.compress(buf, dtype, DTYPE_ITEMSIZE[dtype], self.compression)
                 frames[(item.fqn, item.offsets)] = index
