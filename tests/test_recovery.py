@@ -304,7 +304,8 @@ def test_a_memory_steps_copies_keep_to_the_tiers_bandwidth(ctx):
     the copies go in pieces of 256 KiB, the last one no sooner than 1.75 MiB
     / 4 MiB/s = 0.44 s after the first, and the step restores exact from the
     other host's copy.  A bandwidth that differs across ranks is refused on
-    every rank, naming each rank's."""
+    every rank, naming each rank's; so is a namespace one host cannot write,
+    naming the rank, host and folder."""
     import torch
     import torch.distributed as dist
 
@@ -342,6 +343,13 @@ def test_a_memory_steps_copies_keep_to_the_tiers_bandwidth(ctx):
         dcp.CheckpointManager(str(ctx.dir / "root2"), save_rng=False, memory=dcp.MemoryTier(
             host=host, namespace=str(ctx.dir / "shm2" / host), run_id="job",
             bandwidth=1e6 if ctx.rank == 0 else None))
+    # a namespace one host cannot write is refused when the manager starts, on every rank
+    (ctx.dir / "file").write_text("not a folder")
+    spaces = {0: ctx.dir / "shm3" / host, 1: ctx.dir / "file" / "shm"}
+    with pytest.raises(dcp.MemoryTierError, match=r"namespace cannot be written on rank 1 "
+                       r"\(host h1\): .*file/shm/job: Not a directory"):
+        dcp.CheckpointManager(str(ctx.dir / "root3"), save_rng=False, memory=dcp.MemoryTier(
+            host=host, namespace=str(spaces[ctx.rank]), run_id="job"))
 
 
 @dist_scenario(world_size=2)

@@ -28,6 +28,7 @@ import json
 import mmap
 import os
 import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -121,6 +122,17 @@ class HostStore:
                 continue
             out.append(int(name[5:]))
         return sorted(out)
+
+    def unwritable(self) -> str | None:
+        """Why this host's folder cannot hold memory steps (it is created
+        and a file written and removed in it), or ``None`` if it can."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=".probe-"):
+                pass
+        except OSError as e:
+            return f"{self.root}: {e.strerror or e}"
+        return None
 
     def begin(self, step: int) -> Path:
         """A fresh folder for ``step``: what an earlier save of it left there

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import torch.distributed as dist
 
-from dcp.errors import CheckpointError
+from dcp.errors import CheckpointError, MemoryTierError
 from dcp.recovery.host_store import HostStore
 from dcp.recovery.tier import MemoryTier
 
@@ -45,15 +45,22 @@ class TierGroup:
         self.persist_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.store = HostStore(tier.folder, self.run_id, self.host)
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (self.host, tier.bandwidth), group=self.group)
-        names = [h for h, _ in gathered]
-        rates = {b for _, b in gathered}
+        dist.all_gather_object(gathered, (self.host, tier.bandwidth, self.store.unwritable()),
+                               group=self.group)
+        names = [h for h, _, _ in gathered]
+        rates = {b for _, b, _ in gathered}
         if len(rates) > 1:
             raise CheckpointError(
                 f"MemoryTier(bandwidth=...) differs across ranks ("
-                f"{', '.join(f'rank {r}: {b}' for r, (_, b) in enumerate(gathered))}): every "
+                f"{', '.join(f'rank {r}: {b}' for r, (_, b, _) in enumerate(gathered))}): every "
                 f"rank sends and receives a memory step's copies in the same pieces")
+        unwritable = [f"rank {r} (host {h}): {why}" for r, (h, _, why) in enumerate(gathered)
+                      if why]
+        if unwritable:
+            raise MemoryTierError(f"the memory tier's namespace cannot be written on "
+                                  f"{'; '.join(unwritable)}")
         #: host names in order of first rank; ``rank_host[r]`` indexes them
         self.hosts: list[str] = list(dict.fromkeys(names))
         index = {h: i for i, h in enumerate(self.hosts)}
@@ -64,7 +71,6 @@ class TierGroup:
         self.my_host = int(self.rank_host[self.rank])
         #: the lowest rank of this host: it commits the host's steps
         self.leader = int(np.flatnonzero(self.rank_host == self.my_host)[0]) == self.rank
-        self.store = HostStore(tier.folder, self.run_id, self.host)
         #: the last tag a restore's transfers used (memory saves use 0)
         self._tag = 0
         #: a restore's transfers still in flight (late holders, slow sends)
