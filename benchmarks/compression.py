@@ -1,5 +1,5 @@
 """Compression: the stored/logical ratio, and save and load time, of
-``dcp.Compression`` (zstd level 1 over byte-grouped floats, 2 MiB frames
+``dcp.Compression()`` (zstd over byte-grouped floats, 2 MiB frames
 unless said) beside no compression and PyTorch DCP 2.13's ``ZStandard()``
 extension (each written stream compressed whole).  Four tables:
 
@@ -105,7 +105,7 @@ def _once_torch(state: dict, path: Path) -> tuple[float, float, float]:
 
 
 def _posix_table(root: Path, nbytes: int, repeat: int) -> None:
-    policies = {"none": None, "zstd level 1": dcp.Compression(), "torch DCP ZStandard()": "torch"}
+    policies = {"none": None, "zstd": dcp.Compression(), "torch DCP ZStandard()": "torch"}
     print("| state | compression | ratio | save (s) | load (s) |")
     print("|---|---|---|---|---|")
     for label, dtype in ((f"bf16 N(0, 0.02), {nbytes >> 20} MiB", torch.bfloat16),
@@ -158,20 +158,18 @@ def trained_states(steps: int) -> tuple[dict[str, dict[str, torch.Tensor]], floa
 
 
 def _trained_table(root: Path, states: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Ratios of ours (zstd level 1, 2 MiB frames) and torch DCP's (zstd's
-    default level, 3, over each stream) on POSIX, the issue's targets on
-    them, and ours at level 3 beside them (not a target)."""
-    print("| state | MiB | ours | torch DCP ZStandard() | ours / torch | ours, level 3 |")
-    print("|---|---|---|---|---|---|")
+    """Ratios of ours (byte-grouped floats, 2 MiB frames) and torch DCP's
+    (zstd's default level, 3, over each stream) on POSIX, and the issue's
+    targets on them."""
+    print("| state | MiB | ours | torch DCP ZStandard() | ours / torch |")
+    print("|---|---|---|---|---|")
     ratios = {}
     for label, state in states.items():
         ours = _once(state, root / "ours", dcp.Compression())[0]
         theirs = _once_torch(state, root / "torch")[0]
-        level3 = _once(state, root / "ours3", dcp.Compression(level=3))[0]
         ratios[label] = ours, theirs
         mib = sum(v.numel() * v.element_size() for v in state.values()) / (1 << 20)
-        print(f"| {label} | {mib:.1f} | {ours:.3f}x | {theirs:.3f}x | {ours / theirs:.3f} "
-              f"| {level3:.3f}x |")
+        print(f"| {label} | {mib:.1f} | {ours:.3f}x | {theirs:.3f}x | {ours / theirs:.3f} |")
     below = ", ".join(f"{label} {ours / theirs:.4f}" for label, (ours, theirs)
                       in ratios.items() if ours / theirs < 1.1)
     bf16, optim = ratios["weights, bf16"][0], ratios["AdamW state (both), fp32"][0]
@@ -329,7 +327,7 @@ def _s3_systems(options: dict[str, Any]) -> dict[str, tuple[Callable, Callable]]
                 lambda target, url: torch_dcp.load(target, storage_reader=FsspecReader(
                     url, **options), no_dist=True))
 
-    return {"ours, none": ours(None), "ours, zstd level 1": ours(dcp.Compression()),
+    return {"ours, none": ours(None), "ours, zstd": ours(dcp.Compression()),
             "torch DCP, none": theirs(None), "torch DCP, ZStandard()": theirs([ZStandard()])}
 
 
@@ -363,7 +361,7 @@ def _s3_table(endpoint: str, throttle: Throttle, state: dict[str, torch.Tensor],
               f"| {save_c['up bytes'] / MB:.1f} | {load_s:.2f} "
               f"| {load_c.get('GET', 0)} + {load_c.get('HEAD', 0)} "
               f"| {load_c['down bytes'] / MB:.1f} |")
-    for system, plain, packed in (("ours", "ours, none", "ours, zstd level 1"),
+    for system, plain, packed in (("ours", "ours, none", "ours, zstd"),
                                   ("torch DCP", "torch DCP, none", "torch DCP, ZStandard()")):
         (s0, l0, up0, down0), (s1, l1, up1, down1) = medians[plain], medians[packed]
         verdicts = []
