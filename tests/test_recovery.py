@@ -137,10 +137,11 @@ def test_failure_matrix(tmp: Path) -> None:
         assert done["errors"] == [], done
     # h0 holds rep once, its ranks' tp and dp blocks (unique: 1.5 MiB) and
     # copies of h1's tp blocks (0.5 MiB); small files (metadata, held lists,
-    # the manager's records) are a few pages
+    # the manager's records) are a few pages; the ranks' spares (the dropped
+    # steps' own files, for the next staging copies) fill the room to 2.0x
     unique, copies, small = REP + 2 * TP_BLOCK + 2 * DP_BLOCK, 2 * TP_BLOCK, 64 << 10
     mem = event(rec[0], "memory")
-    assert unique + copies <= mem["steady"] <= unique + copies + small <= 2.0 * unique, mem
+    assert unique + copies + (1 << 18) <= mem["steady"] <= 2.0 * unique, mem
     # during a save: the old step's own bytes, the new step's and one set of
     # copies (the old step's released before the new ones are reserved)
     assert 2 * unique + copies <= mem["peak"] <= 2 * unique + copies + 2 * small, mem

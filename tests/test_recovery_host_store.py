@@ -126,3 +126,57 @@ def test_a_manager_refuses_a_memory_tier_that_is_not_one(tmp_path) -> None:
     with pytest.raises(dcp.CheckpointError, match=r"memory='yes': a dcp.MemoryTier \(or None\), "
                                                   r"not a str"):
         dcp.CheckpointManager(str(tmp_path), memory="yes")  # type: ignore[arg-type]
+
+
+def _held_bytes(folder) -> int:
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_dropped_steps_own_files_are_the_next_steps_spares(tmp_path) -> None:
+    """Host h0 with ranks 0 and 1, 1 MiB each: once step 1 is dropped, its
+    own data files wait as spares, cut so that the host stays within 2.0x
+    its own bytes; step 3's own files are those spares (pages reused) and
+    hold exactly step 3's bytes.  Copies for other hosts as large as the own
+    bytes leave no room for spares; ``spares=False`` keeps none."""
+    own = 1 << 20
+
+    def save(store: HostStore, step: int, copies: int = 0) -> list[bool]:
+        store.begin(step)
+        reused = []
+        for r in (0, 1):
+            staged = store.stage(step, f"r{r:05d}.data", own)
+            staged.view[:] = bytes([step, r]) * (own // 2)
+            reused.append(staged.reused)
+            staged.close()
+        if copies:
+            staged = store.stage(step, "r00001-copies.data", copies)
+            staged.view[:] = bytes(copies)
+            staged.close()
+        store.write_metadata(step, Metadata(save_id=f"s{step}", world_size=2))
+        store.commit(step)
+        store.drop_except({step})
+        return reused
+
+    store = HostStore(tmp_path, "run", "h0")
+    assert save(store, 1) == [False, False] and save(store, 2) == [False, False]
+    spares = sorted(p.name for p in (store.root / "spare").iterdir())
+    assert spares == ["r00000.data", "r00001.data"]
+    small = _held_bytes(store.step_dir(2)) - 2 * own  # metadata, COMMITTED
+    assert all(own - small - 4096 <= (store.root / "spare" / n).stat().st_size <= own - small
+               for n in spares)
+    assert _held_bytes(store.root) <= 2 * 2 * own
+    assert save(store, 3) == [True, True]
+    for r in (0, 1):
+        data = (store.step_dir(3) / f"r{r:05d}.data").read_bytes()
+        assert data == bytes([3, r]) * (own // 2)
+    assert store.steps() == [3] and _held_bytes(store.root) <= 2 * 2 * own
+
+    copying = HostStore(tmp_path, "copying", "h0")
+    for step in (1, 2, 3):
+        assert save(copying, step, copies=own) == [False, False]
+    assert not (copying.root / "spare").exists() or not list((copying.root / "spare").iterdir())
+
+    capped = HostStore(tmp_path, "capped", "h0", spares=False)
+    for step in (1, 2, 3):
+        assert save(capped, step) == [False, False]
+    assert not (capped.root / "spare").exists()

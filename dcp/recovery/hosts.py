@@ -45,7 +45,8 @@ class TierGroup:
         self.persist_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.store = HostStore(tier.folder, self.run_id, self.host)
+        self.store = HostStore(tier.folder, self.run_id, self.host,
+                               spares=tier.host_bytes is None)
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (self.host, tier.bandwidth, self.store.unwritable()),
                                group=self.group)
