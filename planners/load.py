@@ -39,12 +39,14 @@ same group and reader are batched into transfers of about ``batch_bytes``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 from collections import Counter, defaultdict
 from itertools import zip_longest
 
-from dcp.core.boxes import intersect_many, volume
+from dcp.core.boxes import intersect_many, run_extent, volume
+from dcp.core.compression import RAW, FrameIndex
 from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata, ObjectMeta
 from dcp.core.planner import (
     BROADCAST,
@@ -56,6 +58,7 @@ from dcp.core.planner import (
     ReadRequest,
     Transfer,
 )
+from dcp.core.read_cost import ReadCost
 from dcp.errors import CheckpointError
 
 REPLICA_PATHS = ("auto", PAGE_CACHE, SHARED_MEMORY, BROADCAST, "none")
@@ -119,8 +122,13 @@ class DefaultLoadPlanner(LoadPlanner):
                 for number, offsets, sizes in zip(*intersect_many(
                         table.offsets, table.sizes, req.offsets, req.sizes), strict=True):
                     n = volume(sizes)
-                    plan.items.append(ReadItem(req.fqn, index, number, tuple(offsets),
-                                               tuple(sizes), n * itemsize))
+                    item = ReadItem(req.fqn, index, number, tuple(offsets), tuple(sizes),
+                                    n * itemsize)
+                    frames = table.frames.get(number)
+                    if frames is not None:
+                        item = _with_frames(item, frames, table.offsets[number].tolist(),
+                                            table.sizes[number].tolist(), itemsize)
+                    plan.items.append(item)
                     found += n
             if found != volume(req.sizes):
                 raise CheckpointError(
@@ -167,17 +175,18 @@ class DefaultLoadPlanner(LoadPlanner):
                 needers[(item.fqn, item.chunk, item.offsets, item.sizes)].append((rank, item))
         final = [LoadPlan(missing_keys=p.missing_keys, unexpected_keys=p.unexpected_keys)
                  for p in plans]
-        read = [0] * len(plans)
+        cost = plans[0].read_cost
+        read = [0.0] * len(plans)  # estimated seconds of each rank's storage reads
         shared = []
         single: list[list[ReadItem]] = [[] for _ in plans]
         for key, holders in needers.items():
             if len(holders) == 1:
                 rank, item = holders[0]
                 single[rank].append(item)
-                read[rank] += item.nbytes
+                read[rank] += item.seconds(cost)
             else:
                 shared.append(key)
-        shared.sort(key=lambda k: (-needers[k][0][1].nbytes, k))
+        shared.sort(key=lambda k: (-needers[k][0][1].seconds(cost), k))
         hosts = [p.host for p in plans]
         moved: dict[tuple[tuple[int, ...], str], int] = defaultdict(int)
         chunk_stream: list[dict[int, Transfer]] = []
@@ -189,22 +198,29 @@ class DefaultLoadPlanner(LoadPlanner):
         for key in shared:
             holder_of = dict(needers[key])
             ranks = tuple(sorted(holder_of))
-            nbytes = holder_of[ranks[0]].nbytes
+            first = holder_of[ranks[0]]
+            nbytes = first.nbytes
             if path == PAGE_CACHE:
+                decode_once = _decode_once(first, cost)
                 for part in _by_host(ranks, hosts):
                     puller = _least_read(part, read)
-                    read[puller] += nbytes
+                    read[puller] += first.seconds(cost)
                     final[puller].items.append(holder_of[puller])
-                    moved[(ranks, "storage")] += nbytes
+                    moved[(ranks, "storage")] += first.read_nbytes
+                    others = len(part) - 1
+                    if others and decode_once and all(plans[r].shared_memory for r in part):
+                        by_group[(part, puller, True)].append(key)
+                        moved[(ranks, SHARED_MEMORY)] += nbytes * others
+                        continue
                     for r in part:
                         if r != puller:
                             final[r].cached.append(holder_of[r])
                             moved[(ranks, PAGE_CACHE)] += nbytes
                 continue
             src = _least_read(ranks, read)
-            read[src] += nbytes
+            read[src] += first.seconds(cost)
             final[src].items.append(holder_of[src])
-            moved[(ranks, "storage")] += nbytes
+            moved[(ranks, "storage")] += first.read_nbytes
             local: tuple[int, ...] = ()
             if path == SHARED_MEMORY and hosts[src] and plans[src].shared_memory:
                 local = tuple(r for r in ranks if r != src and hosts[r] == hosts[src]
@@ -245,6 +261,29 @@ class DefaultLoadPlanner(LoadPlanner):
         return batches
 
 
+def _with_frames(item: ReadItem, frames: FrameIndex, chunk_offsets: list[int],
+                 chunk_sizes: list[int], itemsize: int) -> ReadItem:
+    """``item``, a region of a compressed chunk at ``chunk_offsets`` of
+    ``chunk_sizes`` (elements of ``itemsize`` bytes) framed as ``frames``,
+    with the stored bytes of the frames covering its byte runs and the
+    logical bytes of those of them that are coded (not raw): a slice of the
+    two frame tables, no loop over frames."""
+    rel = [o - c for o, c in zip(item.offsets, chunk_offsets, strict=True)]
+    extent = run_extent(chunk_sizes, rel, item.sizes, itemsize)
+    if extent is None:
+        return item
+    covering = frames.covering(extent[0], extent[1])
+    first, stop = covering.start, covering.stop
+    stored = sum(frames.stored[first:stop])
+    coded = (stop - first) - frames.kinds[first:stop].count(RAW)
+    if coded and frames.kinds[stop - 1] != RAW:  # the chunk's last frame may be short
+        last = frames.logical_size(stop - 1, volume(chunk_sizes) * itemsize)
+        decoded = (coded - 1) * frames.frame_bytes + last
+    else:
+        decoded = coded * frames.frame_bytes
+    return dataclasses.replace(item, stored_nbytes=stored, decode_nbytes=decoded)
+
+
 def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
     """``ranks`` split by host, in rank order; a rank with no host (``""``)
     is a host of its own."""
@@ -283,7 +322,7 @@ def _nearest(missing: list[str], metadata: Metadata) -> str:
     return f"; nearest key in the checkpoint to {fqn!r}: {close[0]!r}" if close else ""
 
 
-def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[int],
+def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[float],
                   moved: dict[tuple[tuple[int, ...], str], int]) -> list[dict[int, Transfer]]:
     """Chunks that several ranks of one host read whole, each for regions
     only it needs (a resharded load): one of them reads the chunk, the others
@@ -307,11 +346,12 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
         if len(of_rank) < 2:
             continue
         ranks = tuple(sorted(of_rank))
+        cost = plans[0].read_cost
         for r in ranks:
-            read[r] -= sum(i.nbytes for i in of_rank[r])
+            read[r] -= sum(i.seconds(cost) for i in of_rank[r])
         src = _least_read(ranks, read)
         nbytes = wanted[(src, fqn, number)]
-        read[src] += nbytes
+        read[src] += cost.seconds(nbytes)
         for r in ranks:
             if r != src:
                 received[r].update(of_rank[r])
@@ -349,7 +389,19 @@ def _designate_checks(plans: list[LoadPlan], final: list[LoadPlan]) -> None:
         checks.append((fqn, number))
 
 
-def _least_read(ranks: tuple[int, ...], read: list[int]) -> int:
-    """The rank of ``ranks`` with the fewest bytes to read so far (ties to
-    the lowest)."""
+def _least_read(ranks: tuple[int, ...], read: list[float]) -> int:
+    """The rank of ``ranks`` with the fewest estimated seconds of reading
+    so far (ties to the lowest)."""
     return min(ranks, key=lambda r: (read[r], r))
+
+
+def _decode_once(item: ReadItem, cost: ReadCost) -> bool:
+    """Whether a region that several ranks of a host need, on storage whose
+    cache the host shares, is cheaper read and decoded by one of them and
+    copied to each other through host shared memory than re-read from the
+    cache and decoded by each: per extra rank, a copy of its ``nbytes``
+    (costed as a read of them from the cache) against a read of the
+    covering frames' stored bytes and their decoding.  Never for a region
+    with nothing to decode: the two then cost the same, and the page cache
+    needs no rank to wait for another's decoding."""
+    return cost.seconds(item.nbytes) < cost.seconds(item.read_nbytes, item.decode_nbytes)

@@ -36,6 +36,8 @@ import dcp
 import s3_server
 from dcp.coordination import host_exchange
 from dcp.coordination.broadcast import Broadcaster
+from dcp.core.planner import LoadPlan, ReadItem, Transfer
+from dcp.core.read_cost import ReadCost
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, random_tensor
 from planners.load import DefaultLoadPlanner
@@ -466,3 +468,64 @@ def test_a_load_whose_broadcasts_fail_joins_its_threads(ctx):
     dcp.load(target, ckpt, host=host, planner=DefaultLoadPlanner(replica_path="shared_memory"))
     for k, v in full.items():
         assert_bitwise_equal(target[k], v, k)
+
+
+# --- the planner's cost of decoding (no processes) ----------------------------
+
+def _cost_plans(cost: ReadCost, items_per_rank, host: str = "h", shared_memory: bool = True):
+    return [LoadPlan(items=list(items), host=host, shared_memory=shared_memory,
+                     shared_cache=cost.shared_cache, read_cost=cost) for items in items_per_rank]
+
+
+def test_readers_are_balanced_by_seconds_decoding_included():
+    """Rank 0 alone needs a compressed region (1,000 stored bytes, 4,000
+    to decode), rank 1 an uncompressed one of 8,000 bytes; by bytes rank 0
+    has read less, by seconds (decoding at 1e8 B/s) more: the region both
+    need goes to rank 1, unless decoding is (nearly) free."""
+    compressed = ReadItem("c", 0, 0, (0,), (1000,), 4000, stored_nbytes=1000, decode_nbytes=4000)
+    plain = ReadItem("u", 0, 0, (0,), (2000,), 8000)
+    both = ReadItem("s", 1, 0, (0,), (25,), 100)
+    for decode_bps, reader in ((1e8, 1), (1e15, 0)):
+        cost = ReadCost(latency_s=0.0, bandwidth_bps=1e9, decode_bps=decode_bps)
+        assert compressed.seconds(cost) == 1000 / 1e9 + 4000 / decode_bps
+        final = DefaultLoadPlanner(replica_path="broadcast").create_global_plan(
+            _cost_plans(cost, [[compressed, both], [plain, both]]))
+        assert [p.items for p in final] == (
+            [[compressed], [plain, both]] if reader == 1 else [[compressed, both], [plain]])
+        assert [(t.ranks, t.src) for t in final[0].transfers] == [((0, 1), reader)]
+        # storage bytes count the compressed region's stored bytes
+        assert final[0].paths == [((0, 1), "broadcast", 100), ((0, 1), "storage", 100)]
+
+
+def test_a_compressed_region_a_host_shares_is_decoded_once_and_sent_through_shm():
+    """On storage whose cache the host shares, four ranks of one host need
+    a compressed region and an uncompressed one: the compressed one is read
+    and decoded by one rank and reaches the three others through host
+    shared memory (cheaper than three re-reads and decodings); the
+    uncompressed one keeps the page cache path."""
+    cost = ReadCost(latency_s=1e-4, bandwidth_bps=2e9, shared_cache=True)  # POSIX's
+    c = ReadItem("c", 0, 0, (0,), (4096,), 16384, stored_nbytes=12000, decode_nbytes=16384)
+    u = ReadItem("u", 1, 0, (0,), (2048,), 8192)
+    # per extra rank: a copy of 16,384 bytes against a re-read and a decoding
+    assert cost.seconds(16384) == 1e-4 + 16384 / 2e9
+    assert cost.seconds(12000, 16384) == 1e-4 + 12000 / 2e9 + 16384 / 1.5e9
+    final = DefaultLoadPlanner().create_global_plan(_cost_plans(cost, [[c, u]] * 4))
+    # c, the dearer, first: rank 0; u to the least loaded of the rest, rank 1
+    assert [p.items for p in final] == [[c], [u], [], []]
+    assert [p.cached for p in final] == [[u], [], [u], [u]]
+    assert all(p.transfers == [Transfer((0, 1, 2, 3), 0, (c,), True)] for p in final)
+    assert all(p.groups == [] for p in final)  # no process group: shared memory only
+    assert final[0].paths == [((0, 1, 2, 3), "page_cache", 3 * 8192),
+                              ((0, 1, 2, 3), "shared_memory", 3 * 16384),
+                              ((0, 1, 2, 3), "storage", 12000 + 8192)]
+    # ranks that cannot receive through shared memory: the page cache
+    final = DefaultLoadPlanner().create_global_plan(
+        _cost_plans(cost, [[c, u]] * 4, shared_memory=False))
+    assert [p.items for p in final] == [[c], [u], [], []]
+    assert [p.cached for p in final] == [[u], [c], [c, u], [c, u]]
+    assert all(p.transfers == [] for p in final)
+    # decoding (nearly) free: a re-read of 12,000 stored bytes beats a copy of 16,384
+    free = dataclasses.replace(cost, decode_bps=1e15)
+    final = DefaultLoadPlanner().create_global_plan(_cost_plans(free, [[c, u]] * 4))
+    assert all(p.transfers == [] for p in final)
+    assert [ways for _, ways, _ in final[0].paths] == ["page_cache", "storage"]

@@ -13,8 +13,9 @@ are noise) but the sign/exponent bytes of neighbouring elements are alike:
 grouping byte ``j`` of every element together before zstd (the "byte
 shuffle" of Blosc and HDF5) lets zstd's Huffman stage code them near
 their entropy; a match search in the noise only costs (:data:`ENTROPY_PARAMS`).
-Integer and bool chunks get plain zstd at the policy's level.  A frame that does not shrink is stored raw, so compression
-never grows a chunk by more than nothing.
+Integer and bool chunks get plain zstd at the policy's level.  A frame that
+does not shrink is stored raw, so compression never grows a chunk by more
+than nothing.
 
 Two checksums cover a compressed chunk: each frame's CRC-32C of its *stored*
 bytes, checked before it is decoded (a flipped byte never reaches the

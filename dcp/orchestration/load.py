@@ -242,6 +242,7 @@ class _Load:
         plan.host = host_key() if self.host is None else self.host
         plan.shared_memory = self.exchange is not None and bool(plan.host)
         plan.shared_cache = self.storage.read_cost.shared_cache
+        plan.read_cost = self.storage.read_cost
         by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             by_chunk[(item.fqn, item.chunk)].append(item)
