@@ -19,7 +19,15 @@ and reaches the other members by the cheapest path (``replica_path``):
   itself, from the page cache, taking what has arrived while its own pulls
   are in flight (:meth:`~dcp.core.storage.StoragePlugin.read_cached`) — one
   storage read per host and one memory copy per rank, nothing passed
-  between ranks.
+  between ranks.  A region of a compressed chunk would cost every one of
+  them a decoding of its covering frames as well: where the read cost
+  says a copy through host shared memory is cheaper than a re-read and a
+  decoding (per extra rank: its bytes at the storage's bandwidth, against
+  the frames' stored bytes plus their logical bytes at
+  :attr:`~dcp.core.read_cost.ReadCost.decode_bps`; at POSIX's defaults
+  always, for any frame that is coded), the puller decodes it once for the
+  host and passes it on as ``shared_memory`` below does.  Regions with
+  nothing to decode cost the same both ways and keep the page cache.
 * ``shared_memory`` — nothing is shared (object stores): one member reads,
   passes the bytes to the members of its host through host shared memory
   (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the
@@ -31,9 +39,14 @@ and reaches the other members by the cheapest path (``replica_path``):
 
 ``auto`` (the default) takes ``page_cache`` where the storage's cache is
 shared and ``shared_memory`` elsewhere.  Readers (and pullers) are chosen
-to balance the bytes each rank takes from storage: regions only one rank
-needs count first, then shared regions, largest first, go to the member
-with the fewest bytes so far (ties to the lowest rank).  Regions with the
+to balance the seconds each rank spends reading from storage and decoding,
+as the storage's :class:`~dcp.core.read_cost.ReadCost` estimates them
+(:meth:`~dcp.core.planner.ReadItem.seconds`: a request's latency, the
+stored bytes, the logical bytes of coded frames): regions only one rank
+needs count first, then shared regions, dearest first, go to the member
+with the fewest seconds so far (ties to the lowest rank).  Balancing bytes
+would hand a rank decoding compressed regions as much again as one
+reading raw ones at a third of the cost.  Regions with the
 same group and reader are batched into transfers of about ``batch_bytes``.
 """
 

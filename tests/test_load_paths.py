@@ -9,7 +9,11 @@
   it is told).  Replicated and DP2 x TP2 targets load element-exact; on
   POSIX every replica group takes the page cache path and reads the storage
   once per host, on S3 it reads once overall and passes the bytes through
-  shared memory within a host and by broadcast across hosts.
+  shared memory within a host and by broadcast across hosts.  Compressed on
+  POSIX, replicated regions with frames to decode are decoded once per host
+  and passed through shared memory, raw-framed ones keep the page cache.
+* The global plan's costs, without processes: readers balanced by seconds
+  (decoding included), and the page cache or shared memory per region.
 * A reader's failure on any path raises on every rank, and nothing hangs;
   so does a broadcast's, and the load's threads are joined (a process
   exits at once after it).
@@ -36,6 +40,7 @@ import dcp
 import s3_server
 from dcp.coordination import host_exchange
 from dcp.coordination.broadcast import Broadcaster
+from dcp.core.compression import RAW
 from dcp.core.planner import LoadPlan, ReadItem, Transfer
 from dcp.core.read_cost import ReadCost
 from dist_harness import dist_scenario
@@ -159,6 +164,36 @@ def test_two_hosts_posix_take_the_page_cache_once_per_host(ctx):
     cached = _gather(report.bytes_from_cache)
     assert sum(cached) == sum(n for _, way, n in report.paths if way == "page_cache")
     assert all(c > 0 for c in cached), cached
+    # compressed: a replicated region with frames to decode is decoded once per
+    # host and passed through shared memory, one whose frames are raw (random
+    # bytes, the 0-dim tensor) keeps the page cache, in the same load
+    full["noise"] = torch.randint(0, 256, (6000,), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(5))
+    sd["noise"] = full["noise"].clone()
+    md = dcp.save(sd, ckpt + "_zstd", compression="zstd")
+    coded = {k for k, t in md.tensors.items()
+             if any(f != RAW for c in t.chunks for f in c.frames.kinds)}
+    assert coded == {"rep", "rep16", "a", "b"}, coded
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    for k, p in placements.items():
+        target[k] = distribute_tensor(torch.zeros_like(full[k]), mesh2, p)
+    report = dcp.load(target, ckpt + "_zstd", host=host)
+    for k, v in full.items():
+        got = target[k].full_tensor() if hasattr(target[k], "full_tensor") else target[k]
+        assert_bitwise_equal(got, v, k)
+    everyone = (0, 1, 2, 3)
+    ways = Counter()
+    for ranks, way, nbytes in report.paths:
+        ways[way] += nbytes
+        assert way == "storage" or ranks == everyone, report.paths  # replicated only
+    # per host one rank reads each replicated tensor, the other receives it
+    assert ways["shared_memory"] == 2 * (full["rep"].nbytes + full["rep16"].nbytes)
+    assert ways["page_cache"] == 2 * (full["noise"].nbytes + full["s"].nbytes)
+    cached = _gather(report.bytes_from_cache)
+    assert sum(cached) == ways["page_cache"]
+    # every chunk's frames read from storage once per host
+    assert sum(_gather(report.bytes_read)) == ways["storage"] == 2 * sum(
+        t.file_bytes for t in md.tensors.values())
 
 
 class _LooksForSmallRegions(PosixStorage):
