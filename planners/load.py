@@ -44,7 +44,9 @@ as the storage's :class:`~dcp.core.read_cost.ReadCost` estimates them
 (:meth:`~dcp.core.planner.ReadItem.seconds`: a request's latency, the
 stored bytes, the logical bytes of coded frames): regions only one rank
 needs count first, then shared regions, dearest first, go to the member
-with the fewest seconds so far (ties to the lowest rank).  Bytes alone
+with the fewest seconds so far (seconds within one request's latency of
+each other count as ties, to the lowest rank: regions of like cost keep
+their key order, and chunks that lie end to end in a file one reader).  Bytes alone
 would count a compressed region by its stored bytes, though decoding it
 takes its reader longer than reading it (1.5 GB/s of logical bytes per
 thread, against POSIX's 2 GB/s of stored bytes).  Regions with the
@@ -200,7 +202,15 @@ class DefaultLoadPlanner(LoadPlanner):
                 read[rank] += item.seconds(cost)
             else:
                 shared.append(key)
-        shared.sort(key=lambda k: (-needers[k][0][1].seconds(cost), k))
+        # dearest first; regions within one request's latency of each other
+        # in key order, so that chunks lying end to end go to one reader
+        slack = cost.latency_s
+
+        def dearest_first(k: tuple) -> tuple:
+            seconds = needers[k][0][1].seconds(cost)
+            return -(seconds // slack) if slack else -seconds, k
+
+        shared.sort(key=dearest_first)
         hosts = [p.host for p in plans]
         moved: dict[tuple[tuple[int, ...], str], int] = defaultdict(int)
         chunk_stream: list[dict[int, Transfer]] = []
@@ -217,7 +227,7 @@ class DefaultLoadPlanner(LoadPlanner):
             if path == PAGE_CACHE:
                 decode_once = _decode_once(first, cost)
                 for part in _by_host(ranks, hosts):
-                    puller = _least_read(part, read)
+                    puller = _least_read(part, read, cost.latency_s)
                     read[puller] += first.seconds(cost)
                     final[puller].items.append(holder_of[puller])
                     moved[(ranks, "storage")] += first.read_nbytes
@@ -231,7 +241,7 @@ class DefaultLoadPlanner(LoadPlanner):
                             final[r].cached.append(holder_of[r])
                             moved[(ranks, PAGE_CACHE)] += nbytes
                 continue
-            src = _least_read(ranks, read)
+            src = _least_read(ranks, read, cost.latency_s)
             read[src] += first.seconds(cost)
             final[src].items.append(holder_of[src])
             moved[(ranks, "storage")] += first.read_nbytes
@@ -363,7 +373,7 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
         cost = plans[0].read_cost
         for r in ranks:
             read[r] -= sum(i.seconds(cost) for i in of_rank[r])
-        src = _least_read(ranks, read)
+        src = _least_read(ranks, read, cost.latency_s)
         nbytes = wanted[(src, fqn, number)]
         read[src] += cost.seconds(nbytes)
         for r in ranks:
@@ -403,10 +413,12 @@ def _designate_checks(plans: list[LoadPlan], final: list[LoadPlan]) -> None:
         checks.append((fqn, number))
 
 
-def _least_read(ranks: tuple[int, ...], read: list[float]) -> int:
-    """The rank of ``ranks`` with the fewest estimated seconds of reading
-    so far (ties to the lowest)."""
-    return min(ranks, key=lambda r: (read[r], r))
+def _least_read(ranks: tuple[int, ...], read: list[float], slack: float) -> int:
+    """The lowest rank of ``ranks`` whose estimated seconds of reading so
+    far are within ``slack`` (a request's latency: below the model's
+    resolution) of the fewest."""
+    least = min(read[r] for r in ranks)
+    return min(r for r in ranks if read[r] <= least + slack)
 
 
 def _decode_once(item: ReadItem, cost: ReadCost) -> bool:
