@@ -141,7 +141,7 @@ _REPLICATED = {"page cache, each rank decodes": {"read_cost": {"decode_bps": 1e3
 
 def _load_replicated(rank: int, world_size: int, path: str, repeat: int) -> list:
     """``(way, seconds, bytes read, requests, bytes from the page cache,
-    frames decoded, sums)`` of this
+    frames decoded, sums, CPU seconds)`` of this
     rank's loads of the whole of ``path``, the ways rotated per repetition
     (a :func:`benchmarks.common.launch` worker)."""
     import torch.distributed as dist
@@ -161,12 +161,13 @@ def _load_replicated(rank: int, world_size: int, path: str, repeat: int) -> list
         for way in ways[k % 2:] + ways[:k % 2]:
             before = decoded[0]
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             report = dcp.load(target, path, storage_options=_REPLICATED[way])
+            cpu = time.process_time() - cpu
             dist.barrier()
             out.append((way, time.perf_counter() - start, report.bytes_read, report.requests,
                         report.bytes_from_cache, decoded[0] - before,
-                        [int(v.view(torch.int16).sum()) for v in target.values()]))
+                        [int(v.view(torch.int16).sum()) for v in target.values()], cpu))
     return out
 
 
@@ -178,15 +179,16 @@ def _replicated_table(root: Path, nbytes: int, repeat: int) -> None:
     runs = launch(_load_replicated, 4, str(root / "replicated"), repeat)
     print(f"| 4 ranks, one host, each loads all {nbytes >> 20} MiB of bf16 (POSIX) | load (s) "
           f"| read from storage, all ranks (MB) | requests | from the page cache (MB) "
-          f"| frames decoded |")
-    print("|---|---|---|---|---|---|")
+          f"| frames decoded | CPU, all ranks (s) |")
+    print("|---|---|---|---|---|---|---|")
     for way in _REPLICATED:
         rows = [[r for r in rank if r[0] == way] for rank in runs]
         assert all(r[6] == sums for rank in rows for r in rank), way  # exact everywhere
         seconds = statistics.median(r[1] for r in rows[0])
+        cpu = statistics.median(sum(rank[k][7] for rank in rows) for k in range(repeat))
         read, requests, cached, frames = (sum(rank[0][i] for rank in rows) for i in (2, 3, 4, 5))
         print(f"| {way} | {seconds:.2f} | {read / MB:.1f} | {requests} | {cached / MB:.1f} "
-              f"| {frames} |")
+              f"| {frames} | {cpu:.2f} |")
 
 
 # --- trained weights ---------------------------------------------------------
