@@ -26,8 +26,8 @@ and reaches the other members by the cheapest path (``replica_path``):
   the frames' stored bytes plus their logical bytes at
   :attr:`~dcp.core.read_cost.ReadCost.decode_bps`; at POSIX's defaults
   always, for any frame that is coded), the puller decodes it once for the
-  host and passes it on as ``shared_memory`` below does.  Regions with
-  nothing to decode cost the same both ways and keep the page cache.
+  host and passes it on as ``shared_memory`` below does.  An uncompressed
+  region costs the same both ways and keeps the page cache.
 * ``shared_memory`` — nothing is shared (object stores): one member reads,
   passes the bytes to the members of its host through host shared memory
   (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the
@@ -46,10 +46,10 @@ stored bytes, the logical bytes of coded frames): regions only one rank
 needs count first, then shared regions, dearest first, go to the member
 with the fewest seconds so far (seconds within one request's latency of
 each other count as ties, to the lowest rank: regions of like cost keep
-their key order, and chunks that lie end to end in a file one reader).  Bytes alone
-would count a compressed region by its stored bytes, though decoding it
-takes its reader longer than reading it (1.5 GB/s of logical bytes per
-thread, against POSIX's 2 GB/s of stored bytes).  Regions with the
+their key order, and chunks that lie end to end in a file one reader).
+Bytes alone would count a compressed region by its stored bytes, though
+decoding it takes its reader longer than reading it (1.5 GB/s of logical
+bytes per thread, against POSIX's 2 GB/s of stored bytes).  Regions with the
 same group and reader are batched into transfers of about ``batch_bytes``.
 """
 
@@ -363,6 +363,7 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
             if (rank, item.fqn, item.chunk) in wanted:
                 members[(plans[rank].host, item.fqn, item.chunk)][rank].append(item)
     stream = []
+    cost = plans[0].read_cost
     received: list[set[ReadItem]] = [set() for _ in plans]
     sizes = {(fqn, number): nbytes for (_, fqn, number), nbytes in wanted.items()}
     for key in sorted(members, key=lambda k: (-sizes[k[1:]], k)):
@@ -370,7 +371,6 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
         if len(of_rank) < 2:
             continue
         ranks = tuple(sorted(of_rank))
-        cost = plans[0].read_cost
         for r in ranks:
             read[r] -= sum(i.seconds(cost) for i in of_rank[r])
         src = _least_read(ranks, read, cost.latency_s)
@@ -427,7 +427,7 @@ def _decode_once(item: ReadItem, cost: ReadCost) -> bool:
     copied to each other through host shared memory than re-read from the
     cache and decoded by each: per extra rank, a copy of its ``nbytes``
     (costed as a read of them from the cache) against a read of the
-    covering frames' stored bytes and their decoding.  Never for a region
-    with nothing to decode: the two then cost the same, and the page cache
-    needs no rank to wait for another's decoding."""
+    covering frames' stored bytes and their decoding.  Not for an
+    uncompressed region: the two then cost the same, and the page cache
+    needs no rank to wait for another's read."""
     return cost.seconds(item.nbytes) < cost.seconds(item.read_nbytes, item.decode_nbytes)

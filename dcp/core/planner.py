@@ -168,11 +168,12 @@ class LoadPlan:
     broadcasts, which all ranks create in this order.  ``paths`` (the same
     on every rank) says, per replica group ``ranks``, which path its regions
     took and how many bytes went each way: ``(ranks, path, nbytes)``
-(logical bytes; ``"storage"``: the bytes read from storage, stored bytes
-of the covering frames for compressed chunks).  On storage whose cache a
-host shares, one group's regions may go two ways: those of compressed
-chunks decoded once per host and passed on through ``shared_memory``,
-the others re-read by each rank through the ``page_cache``.
+    (logical bytes; ``"storage"``: the bytes read from storage, the
+    covering frames' stored bytes for compressed chunks).  On storage whose
+    cache a host shares, one group's regions may go two ways: those of
+    compressed chunks decoded once per host and passed on through
+    ``shared_memory``, the others re-read by each rank through the
+    ``page_cache``.
 
     ``whole_chunks`` (local plans) lists the chunks ``(fqn, chunk, nbytes)``
     this rank reads whole for a part of them; ``checks`` (final plans), on

@@ -126,7 +126,7 @@ class LoadReport:
     memory copy, not a storage read), in ``cache_requests`` reads (each
     piece taken as it arrived counts one).
     ``paths``: per replica group (its ranks), the path its regions took and
-    the bytes moved that way — ``"storage"`` (read from storage),
+    the bytes moved that way — ``"storage"`` (read from storage, as stored),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
     on every rank.  ``materialized``: fqns whose target was on the meta
     device, replaced by a real tensor of the saved dtype (on the load's
