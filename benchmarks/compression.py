@@ -1,7 +1,7 @@
 """Compression: the stored/logical ratio, and save and load time, of
 ``dcp.Compression()`` (zstd over byte-grouped floats, 2 MiB frames
 unless said) beside no compression and PyTorch DCP 2.13's ``ZStandard()``
-extension (each written stream compressed whole).  Four tables:
+extension (each written stream compressed whole).  Five tables:
 
 * ``posix``: 64 MiB of bf16 and of fp32 N(0, 0.02), saved to a fresh
   folder under ``--root`` (with ``fsync``) and loaded into preallocated
@@ -28,8 +28,15 @@ extension (each written stream compressed whole).  Four tables:
   stored bytes of the frames covering the bytes each slice needs.  Target:
   at most 1.1x.
 
-    python -m benchmarks.compression [--tables posix trained s3 reshard]
+    python -m benchmarks.compression [--tables posix replicated trained s3 reshard]
         [--root /tmp] [--repeat 3] [--steps 200] [--bandwidth 200 ...] [--quick]
+
+* ``replicated``: 64 MiB of bf16 saved compressed, loaded whole by each of
+  4 gloo ranks of one host from POSIX: every rank re-reading and decoding
+  each region from the page cache (decoding priced as free), against one
+  rank decoding it and passing it on through host shared memory (the
+  default); seconds (medians, the order rotated), bytes read from storage
+  and frames decoded (all ranks).
 
 ``--quick`` (a harness check; its numbers mean nothing): 4 MiB states, 3
 training steps, one repetition.  ``s3`` and ``reshard`` need the bench extra
@@ -122,6 +129,66 @@ def _posix_table(root: Path, nbytes: int, repeat: int) -> None:
             save = statistics.median(r[1] for r in results)
             load = statistics.median(r[2] for r in results)
             print(f"| {label} | {name} | {ratio:.2f}x | {save:.2f} | {load:.2f} |")
+
+
+# --- a replicated load by 4 ranks of one host ------------------------------------
+
+#: the replicated table's ways: read cost overrides (decoding priced as free
+#: makes every rank re-read and decode from the page cache, main's path)
+_REPLICATED = {"page cache, each rank decodes": {"read_cost": {"decode_bps": 1e30}},
+               "decoded once, shared memory": {}}
+
+
+def _load_replicated(rank: int, world_size: int, path: str, repeat: int) -> list:
+    """``(way, seconds, bytes read, requests, bytes from the page cache,
+    frames decoded, sums, CPU seconds)`` of this
+    rank's loads of the whole of ``path``, the ways rotated per repetition
+    (a :func:`benchmarks.common.launch` worker)."""
+    import torch.distributed as dist
+
+    from dcp.core import compression as codec
+    decoded, decode = [0], codec.decode_frames
+
+    def counting(index, frames, *args, **kwargs):
+        decoded[0] += len(frames)
+        return decode(index, frames, *args, **kwargs)
+
+    codec.decode_frames = counting
+    md = dcp.read_metadata(path)
+    target = {k: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for k, t in md.tensors.items()}
+    out, ways = [], list(_REPLICATED)
+    for k in range(repeat):
+        for way in ways[k % 2:] + ways[:k % 2]:
+            before = decoded[0]
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            report = dcp.load(target, path, storage_options=_REPLICATED[way])
+            cpu = time.process_time() - cpu
+            dist.barrier()
+            out.append((way, time.perf_counter() - start, report.bytes_read, report.requests,
+                        report.bytes_from_cache, decoded[0] - before,
+                        [int(v.view(torch.int16).sum()) for v in target.values()], cpu))
+    return out
+
+
+def _replicated_table(root: Path, nbytes: int, repeat: int) -> None:
+    from .common import launch
+    state = _state(torch.bfloat16, nbytes)
+    dcp.save(state, str(root / "replicated"), compression="zstd")
+    sums = [int(v.view(torch.int16).sum()) for v in state.values()]
+    runs = launch(_load_replicated, 4, str(root / "replicated"), repeat)
+    print(f"| 4 ranks, one host, each loads all {nbytes >> 20} MiB of bf16 (POSIX) | load (s) "
+          f"| read from storage, all ranks (MB) | requests | from the page cache (MB) "
+          f"| frames decoded | CPU, all ranks (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for way in _REPLICATED:
+        rows = [[r for r in rank if r[0] == way] for rank in runs]
+        assert all(r[6] == sums for rank in rows for r in rank), way  # exact everywhere
+        seconds = statistics.median(r[1] for r in rows[0])
+        cpu = statistics.median(sum(rank[k][7] for rank in rows) for k in range(repeat))
+        read, requests, cached, frames = (sum(rank[0][i] for rank in rows) for i in (2, 3, 4, 5))
+        print(f"| {way} | {seconds:.2f} | {read / MB:.1f} | {requests} | {cached / MB:.1f} "
+              f"| {frames} | {cpu:.2f} |")
 
 
 # --- trained weights ---------------------------------------------------------
@@ -459,7 +526,7 @@ def _reshard_table(endpoint: str, throttle: Throttle, state: dict[str, torch.Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    tables = ("posix", "trained", "s3", "reshard")
+    tables = ("posix", "replicated", "trained", "s3", "reshard")
     parser.add_argument("--tables", nargs="+", choices=tables, default=list(tables))
     parser.add_argument("--root", default=tempfile.gettempdir())
     parser.add_argument("--repeat", type=int, default=3)
@@ -477,7 +544,10 @@ def main() -> None:
     try:
         if "posix" in args.tables:
             _posix_table(root, (4 if args.quick else 64) << 20, args.repeat)
-        if set(args.tables) - {"posix"}:
+        if "replicated" in args.tables:
+            print()
+            _replicated_table(root, (4 if args.quick else 64) << 20, args.repeat)
+        if set(args.tables) - {"posix", "replicated"}:
             start = time.perf_counter()
             states, loss = trained_states(args.steps)
             print(f"\ntrained {args.steps} steps in {time.perf_counter() - start:.0f} s, "

@@ -19,7 +19,15 @@ and reaches the other members by the cheapest path (``replica_path``):
   itself, from the page cache, taking what has arrived while its own pulls
   are in flight (:meth:`~dcp.core.storage.StoragePlugin.read_cached`) — one
   storage read per host and one memory copy per rank, nothing passed
-  between ranks.
+  between ranks.  A region of a compressed chunk would cost every one of
+  them a decoding of its covering frames as well: where the read cost
+  says a copy through host shared memory is cheaper than a re-read and a
+  decoding (per extra rank: its bytes at the storage's bandwidth, against
+  the frames' stored bytes plus their logical bytes at
+  :attr:`~dcp.core.read_cost.ReadCost.decode_bps`; at POSIX's defaults
+  always, for any frame that is coded), the puller decodes it once for the
+  host and passes it on as ``shared_memory`` below does.  An uncompressed
+  region costs the same both ways and keeps the page cache.
 * ``shared_memory`` — nothing is shared (object stores): one member reads,
   passes the bytes to the members of its host through host shared memory
   (:mod:`dcp.coordination.host_exchange`, one copy per receiver) and to the
@@ -31,20 +39,30 @@ and reaches the other members by the cheapest path (``replica_path``):
 
 ``auto`` (the default) takes ``page_cache`` where the storage's cache is
 shared and ``shared_memory`` elsewhere.  Readers (and pullers) are chosen
-to balance the bytes each rank takes from storage: regions only one rank
-needs count first, then shared regions, largest first, go to the member
-with the fewest bytes so far (ties to the lowest rank).  Regions with the
+to balance the seconds each rank spends reading from storage and decoding,
+as the storage's :class:`~dcp.core.read_cost.ReadCost` estimates them
+(:meth:`~dcp.core.planner.ReadItem.seconds`: a request's latency, the
+stored bytes, the logical bytes of coded frames): regions only one rank
+needs count first, then shared regions, dearest first, go to the member
+with the fewest seconds so far (seconds within one request's latency of
+each other count as ties, to the lowest rank: regions of like cost keep
+their key order, and chunks that lie end to end in a file one reader).
+Bytes alone would count a compressed region by its stored bytes, though
+decoding it takes its reader longer than reading it (1.5 GB/s of logical
+bytes per thread, against POSIX's 2 GB/s of stored bytes).  Regions with the
 same group and reader are batched into transfers of about ``batch_bytes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import warnings
 from collections import Counter, defaultdict
 from itertools import zip_longest
 
-from dcp.core.boxes import intersect_many, volume
+from dcp.core.boxes import intersect_many, run_extent, volume
+from dcp.core.compression import RAW, FrameIndex
 from dcp.core.metadata import DTYPE_ITEMSIZE, Metadata, ObjectMeta
 from dcp.core.planner import (
     BROADCAST,
@@ -56,6 +74,7 @@ from dcp.core.planner import (
     ReadRequest,
     Transfer,
 )
+from dcp.core.read_cost import ReadCost
 from dcp.errors import CheckpointError
 
 REPLICA_PATHS = ("auto", PAGE_CACHE, SHARED_MEMORY, BROADCAST, "none")
@@ -119,8 +138,13 @@ class DefaultLoadPlanner(LoadPlanner):
                 for number, offsets, sizes in zip(*intersect_many(
                         table.offsets, table.sizes, req.offsets, req.sizes), strict=True):
                     n = volume(sizes)
-                    plan.items.append(ReadItem(req.fqn, index, number, tuple(offsets),
-                                               tuple(sizes), n * itemsize))
+                    item = ReadItem(req.fqn, index, number, tuple(offsets), tuple(sizes),
+                                    n * itemsize)
+                    frames = table.frames.get(number)
+                    if frames is not None:
+                        item = _with_frames(item, frames, table.offsets[number].tolist(),
+                                            table.sizes[number].tolist(), itemsize)
+                    plan.items.append(item)
                     found += n
             if found != volume(req.sizes):
                 raise CheckpointError(
@@ -167,17 +191,26 @@ class DefaultLoadPlanner(LoadPlanner):
                 needers[(item.fqn, item.chunk, item.offsets, item.sizes)].append((rank, item))
         final = [LoadPlan(missing_keys=p.missing_keys, unexpected_keys=p.unexpected_keys)
                  for p in plans]
-        read = [0] * len(plans)
+        cost = plans[0].read_cost
+        read = [0.0] * len(plans)  # estimated seconds of each rank's storage reads
         shared = []
         single: list[list[ReadItem]] = [[] for _ in plans]
         for key, holders in needers.items():
             if len(holders) == 1:
                 rank, item = holders[0]
                 single[rank].append(item)
-                read[rank] += item.nbytes
+                read[rank] += item.seconds(cost)
             else:
                 shared.append(key)
-        shared.sort(key=lambda k: (-needers[k][0][1].nbytes, k))
+        # dearest first; regions within one request's latency of each other
+        # in key order, so that chunks lying end to end go to one reader
+        slack = cost.latency_s
+
+        def dearest_first(k: tuple) -> tuple:
+            seconds = needers[k][0][1].seconds(cost)
+            return -(seconds // slack) if slack else -seconds, k
+
+        shared.sort(key=dearest_first)
         hosts = [p.host for p in plans]
         moved: dict[tuple[tuple[int, ...], str], int] = defaultdict(int)
         chunk_stream: list[dict[int, Transfer]] = []
@@ -189,22 +222,29 @@ class DefaultLoadPlanner(LoadPlanner):
         for key in shared:
             holder_of = dict(needers[key])
             ranks = tuple(sorted(holder_of))
-            nbytes = holder_of[ranks[0]].nbytes
+            first = holder_of[ranks[0]]
+            nbytes = first.nbytes
             if path == PAGE_CACHE:
+                decode_once = _decode_once(first, cost)
                 for part in _by_host(ranks, hosts):
-                    puller = _least_read(part, read)
-                    read[puller] += nbytes
+                    puller = _least_read(part, read, cost.latency_s)
+                    read[puller] += first.seconds(cost)
                     final[puller].items.append(holder_of[puller])
-                    moved[(ranks, "storage")] += nbytes
+                    moved[(ranks, "storage")] += first.read_nbytes
+                    others = len(part) - 1
+                    if others and decode_once and all(plans[r].shared_memory for r in part):
+                        by_group[(part, puller, True)].append(key)
+                        moved[(ranks, SHARED_MEMORY)] += nbytes * others
+                        continue
                     for r in part:
                         if r != puller:
                             final[r].cached.append(holder_of[r])
                             moved[(ranks, PAGE_CACHE)] += nbytes
                 continue
-            src = _least_read(ranks, read)
-            read[src] += nbytes
+            src = _least_read(ranks, read, cost.latency_s)
+            read[src] += first.seconds(cost)
             final[src].items.append(holder_of[src])
-            moved[(ranks, "storage")] += nbytes
+            moved[(ranks, "storage")] += first.read_nbytes
             local: tuple[int, ...] = ()
             if path == SHARED_MEMORY and hosts[src] and plans[src].shared_memory:
                 local = tuple(r for r in ranks if r != src and hosts[r] == hosts[src]
@@ -245,6 +285,29 @@ class DefaultLoadPlanner(LoadPlanner):
         return batches
 
 
+def _with_frames(item: ReadItem, frames: FrameIndex, chunk_offsets: list[int],
+                 chunk_sizes: list[int], itemsize: int) -> ReadItem:
+    """``item``, a region of a compressed chunk at ``chunk_offsets`` of
+    ``chunk_sizes`` (elements of ``itemsize`` bytes) framed as ``frames``,
+    with the stored bytes of the frames covering its byte runs and the
+    logical bytes of those of them that are coded (not raw): a slice of the
+    two frame tables, no loop over frames."""
+    rel = [o - c for o, c in zip(item.offsets, chunk_offsets, strict=True)]
+    extent = run_extent(chunk_sizes, rel, item.sizes, itemsize)
+    if extent is None:
+        return item
+    covering = frames.covering(extent[0], extent[1])
+    first, stop = covering.start, covering.stop
+    stored = sum(frames.stored[first:stop])
+    coded = (stop - first) - frames.kinds[first:stop].count(RAW)
+    if coded and frames.kinds[stop - 1] != RAW:  # the chunk's last frame may be short
+        last = frames.logical_size(stop - 1, volume(chunk_sizes) * itemsize)
+        decoded = (coded - 1) * frames.frame_bytes + last
+    else:
+        decoded = coded * frames.frame_bytes
+    return dataclasses.replace(item, stored_nbytes=stored, decode_nbytes=decoded)
+
+
 def _by_host(ranks: tuple[int, ...], hosts: list[str]) -> list[tuple[int, ...]]:
     """``ranks`` split by host, in rank order; a rank with no host (``""``)
     is a host of its own."""
@@ -283,7 +346,7 @@ def _nearest(missing: list[str], metadata: Metadata) -> str:
     return f"; nearest key in the checkpoint to {fqn!r}: {close[0]!r}" if close else ""
 
 
-def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[int],
+def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: list[float],
                   moved: dict[tuple[tuple[int, ...], str], int]) -> list[dict[int, Transfer]]:
     """Chunks that several ranks of one host read whole, each for regions
     only it needs (a resharded load): one of them reads the chunk, the others
@@ -300,6 +363,7 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
             if (rank, item.fqn, item.chunk) in wanted:
                 members[(plans[rank].host, item.fqn, item.chunk)][rank].append(item)
     stream = []
+    cost = plans[0].read_cost
     received: list[set[ReadItem]] = [set() for _ in plans]
     sizes = {(fqn, number): nbytes for (_, fqn, number), nbytes in wanted.items()}
     for key in sorted(members, key=lambda k: (-sizes[k[1:]], k)):
@@ -308,10 +372,10 @@ def _share_chunks(plans: list[LoadPlan], single: list[list[ReadItem]], read: lis
             continue
         ranks = tuple(sorted(of_rank))
         for r in ranks:
-            read[r] -= sum(i.nbytes for i in of_rank[r])
-        src = _least_read(ranks, read)
+            read[r] -= sum(i.seconds(cost) for i in of_rank[r])
+        src = _least_read(ranks, read, cost.latency_s)
         nbytes = wanted[(src, fqn, number)]
-        read[src] += nbytes
+        read[src] += cost.seconds(nbytes)
         for r in ranks:
             if r != src:
                 received[r].update(of_rank[r])
@@ -349,7 +413,21 @@ def _designate_checks(plans: list[LoadPlan], final: list[LoadPlan]) -> None:
         checks.append((fqn, number))
 
 
-def _least_read(ranks: tuple[int, ...], read: list[int]) -> int:
-    """The rank of ``ranks`` with the fewest bytes to read so far (ties to
-    the lowest)."""
-    return min(ranks, key=lambda r: (read[r], r))
+def _least_read(ranks: tuple[int, ...], read: list[float], slack: float) -> int:
+    """The lowest rank of ``ranks`` whose estimated seconds of reading so
+    far are within ``slack`` (a request's latency: below the model's
+    resolution) of the fewest."""
+    least = min(read[r] for r in ranks)
+    return min(r for r in ranks if read[r] <= least + slack)
+
+
+def _decode_once(item: ReadItem, cost: ReadCost) -> bool:
+    """Whether a region that several ranks of a host need, on storage whose
+    cache the host shares, is cheaper read and decoded by one of them and
+    copied to each other through host shared memory than re-read from the
+    cache and decoded by each: per extra rank, a copy of its ``nbytes``
+    (costed as a read of them from the cache) against a read of the
+    covering frames' stored bytes and their decoding.  Not for an
+    uncompressed region: the two then cost the same, and the page cache
+    needs no rank to wait for another's read."""
+    return cost.seconds(item.nbytes) < cost.seconds(item.read_nbytes, item.decode_nbytes)

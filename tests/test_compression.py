@@ -3,8 +3,9 @@ trips for every dtype, partial loads that read only the frames covering
 their bytes, corruption and hostile frame indexes refused, S3 and shm://.
 
 In-process, world size 1, but for one save at W=2 (twice: the second by the
-cached plan) loaded resharded at W=4; frames of 4 KiB (the smallest) so
-small tensors span several."""
+cached plan) loaded resharded at W=4, its replicated tensor decoded once and
+passed through host shared memory; frames of 4 KiB (the smallest) so small
+tensors span several."""
 
 from __future__ import annotations
 
@@ -114,6 +115,41 @@ def test_a_partial_load_reads_only_the_covering_frames(tmp_path):
     report = dcp.load({"w": dcp.TensorShard(cols, (256, 512), (0, 300))}, tmp_path / "c")
     assert torch.equal(cols, w[:, 300:400])
     assert report.bytes_read == frames.stored_nbytes
+
+
+def test_read_items_carry_their_covering_frames_stored_and_decoded_bytes(tmp_path):
+    """The load plan prices a region of a compressed chunk by its covering
+    frames: their stored bytes, and the logical bytes of the coded ones
+    (random bytes do not shrink: their frames are raw, nothing to decode)."""
+    from dcp.core.planner import ReadRequest
+    from planners.load import DefaultLoadPlanner
+    w = _value(torch.bfloat16, (256, 512))  # 4 rows per 4 KiB frame
+    r = _value(torch.float32, (3000,), 6)  # 12,000 bytes: frames of 4,096, 4,096, 3,808
+    noise = torch.randint(0, 256, (10000,), dtype=torch.uint8, generator=torch.Generator()
+                          .manual_seed(3))
+    dcp.save({"w": w, "r": r, "noise": noise}, tmp_path / "c", compression=SMALL)
+    md = dcp.read_metadata(str(tmp_path / "c"))
+    fw, fr, fn = (md.tensors[k].chunks[0].frames for k in ("w", "r", "noise"))
+    assert set(fw.kinds) | set(fr.kinds) == {compression.GROUPED}
+    assert set(fn.kinds) == {compression.RAW}
+    requests = [ReadRequest("w", (50, 0), (10, 512), (256, 512), "bfloat16"),  # frames 12..14
+                ReadRequest("w", (0, 300), (256, 100), (256, 512), "bfloat16"),  # all 64
+                ReadRequest("r", (0,), (3000,), (3000,), "float32"),
+                ReadRequest("r", (2000,), (1,), (3000,), "float32"),  # byte 8,000: frame 1
+                ReadRequest("noise", (0,), (5000,), (10000,), "uint8")]  # frames 0, 1
+    items = DefaultLoadPlanner().create_local_plan(md, requests, [], strict=False,
+                                                   allow_dtype_cast=False).items
+    assert [(i.nbytes, i.stored_nbytes, i.decode_nbytes) for i in items] == [
+        (10240, sum(fw.stored[12:15]), 3 * 4096),
+        (51200, fw.stored_nbytes, 256 * 1024),
+        (12000, fr.stored_nbytes, 12000),
+        (4, fr.stored[1], 4096),
+        (5000, 8192, 0)]
+    assert items[4].read_nbytes == 8192
+    plain = dcp.save({"w": w}, tmp_path / "p")
+    items = DefaultLoadPlanner().create_local_plan(plain, requests[:1], [], strict=True,
+                                                   allow_dtype_cast=False).items
+    assert [(i.stored_nbytes, i.decode_nbytes, i.read_nbytes) for i in items] == [(0, 0, 10240)]
 
 
 def _frame_spans(root: Path, fqn: str) -> tuple[Path, list[tuple[int, int]]]:
@@ -297,8 +333,13 @@ def test_compressed_w2_checkpoint_loads_resharded_at_w4(ctx):
         assert [c.frames is not None for c in chunks] == [True, True]
         cols = torch.empty(128, 64, dtype=torch.bfloat16)  # Shard(0) -> Shard(1)
         r = torch.empty(3000)
-        dcp.load({"w": dcp.TensorShard(cols, (128, 256), (0, 64 * ctx.rank)), "r": r}, ckpt)
+        report = dcp.load({"w": dcp.TensorShard(cols, (128, 256), (0, 64 * ctx.rank)), "r": r},
+                          ckpt)
         assert torch.equal(cols, _W[:, 64 * ctx.rank:64 * ctx.rank + 64]) and torch.equal(r, _R)
+        # r, replicated: decoded by one rank of the host, passed to 3 through shared memory
+        everyone = [(ranks, way) for ranks, way, _ in report.paths if ranks == (0, 1, 2, 3)]
+        assert everyone == [((0, 1, 2, 3), "shared_memory"), ((0, 1, 2, 3), "storage")]
+        assert ((0, 1, 2, 3), "shared_memory", 3 * 12000) in report.paths
         lo = 32 * ctx.rank  # rows of one saved chunk: 4 of its 8 frames
         rows = torch.empty(32, 256, dtype=torch.bfloat16)
         report = dcp.load({"w": dcp.TensorShard(rows, (128, 256), (lo, 0))}, ckpt, strict=False)

@@ -9,7 +9,11 @@
   it is told).  Replicated and DP2 x TP2 targets load element-exact; on
   POSIX every replica group takes the page cache path and reads the storage
   once per host, on S3 it reads once overall and passes the bytes through
-  shared memory within a host and by broadcast across hosts.
+  shared memory within a host and by broadcast across hosts.  Compressed on
+  POSIX, replicated regions with frames to decode are decoded once per host
+  and passed through shared memory, raw-framed ones keep the page cache.
+* The global plan's costs, without processes: readers balanced by seconds
+  (decoding included), and the page cache or shared memory per region.
 * A reader's failure on any path raises on every rank, and nothing hangs;
   so does a broadcast's, and the load's threads are joined (a process
   exits at once after it).
@@ -36,6 +40,9 @@ import dcp
 import s3_server
 from dcp.coordination import host_exchange
 from dcp.coordination.broadcast import Broadcaster
+from dcp.core.compression import RAW
+from dcp.core.planner import LoadPlan, ReadItem, Transfer
+from dcp.core.read_cost import ReadCost
 from dist_harness import dist_scenario
 from helpers import assert_bitwise_equal, assert_dtensor_equals_full, random_tensor
 from planners.load import DefaultLoadPlanner
@@ -157,6 +164,36 @@ def test_two_hosts_posix_take_the_page_cache_once_per_host(ctx):
     cached = _gather(report.bytes_from_cache)
     assert sum(cached) == sum(n for _, way, n in report.paths if way == "page_cache")
     assert all(c > 0 for c in cached), cached
+    # compressed: a replicated region with frames to decode is decoded once per
+    # host and passed through shared memory, one whose frames are raw (random
+    # bytes, the 0-dim tensor) keeps the page cache, in the same load
+    full["noise"] = torch.randint(0, 256, (6000,), dtype=torch.uint8,
+                                  generator=torch.Generator().manual_seed(5))
+    sd["noise"] = full["noise"].clone()
+    md = dcp.save(sd, ckpt + "_zstd", compression="zstd")
+    coded = {k for k, t in md.tensors.items()
+             if any(f != RAW for c in t.chunks for f in c.frames.kinds)}
+    assert coded == {"rep", "rep16", "a", "b"}, coded
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    for k, p in placements.items():
+        target[k] = distribute_tensor(torch.zeros_like(full[k]), mesh2, p)
+    report = dcp.load(target, ckpt + "_zstd", host=host)
+    for k, v in full.items():
+        got = target[k].full_tensor() if hasattr(target[k], "full_tensor") else target[k]
+        assert_bitwise_equal(got, v, k)
+    everyone = (0, 1, 2, 3)
+    ways = Counter()
+    for ranks, way, nbytes in report.paths:
+        ways[way] += nbytes
+        assert way == "storage" or ranks == everyone, report.paths  # replicated only
+    # per host one rank reads each replicated tensor, the other receives it
+    assert ways["shared_memory"] == 2 * (full["rep"].nbytes + full["rep16"].nbytes)
+    assert ways["page_cache"] == 2 * (full["noise"].nbytes + full["s"].nbytes)
+    cached = _gather(report.bytes_from_cache)
+    assert sum(cached) == ways["page_cache"]
+    # every chunk's frames read from storage once per host
+    assert sum(_gather(report.bytes_read)) == ways["storage"] == 2 * sum(
+        t.file_bytes for t in md.tensors.values())
 
 
 class _LooksForSmallRegions(PosixStorage):
@@ -466,3 +503,64 @@ def test_a_load_whose_broadcasts_fail_joins_its_threads(ctx):
     dcp.load(target, ckpt, host=host, planner=DefaultLoadPlanner(replica_path="shared_memory"))
     for k, v in full.items():
         assert_bitwise_equal(target[k], v, k)
+
+
+# --- the planner's cost of decoding (no processes) ----------------------------
+
+def _cost_plans(cost: ReadCost, items_per_rank, host: str = "h", shared_memory: bool = True):
+    return [LoadPlan(items=list(items), host=host, shared_memory=shared_memory,
+                     shared_cache=cost.shared_cache, read_cost=cost) for items in items_per_rank]
+
+
+def test_readers_are_balanced_by_seconds_decoding_included():
+    """Rank 0 alone needs a compressed region (1,000 stored bytes, 4,000
+    to decode), rank 1 an uncompressed one of 8,000 bytes; by bytes rank 0
+    has read less, by seconds (decoding at 1e8 B/s) more: the region both
+    need goes to rank 1, unless decoding is (nearly) free."""
+    compressed = ReadItem("c", 0, 0, (0,), (1000,), 4000, stored_nbytes=1000, decode_nbytes=4000)
+    plain = ReadItem("u", 0, 0, (0,), (2000,), 8000)
+    both = ReadItem("s", 1, 0, (0,), (25,), 100)
+    for decode_bps, reader in ((1e8, 1), (1e15, 0)):
+        cost = ReadCost(latency_s=0.0, bandwidth_bps=1e9, decode_bps=decode_bps)
+        assert compressed.seconds(cost) == 1000 / 1e9 + 4000 / decode_bps
+        final = DefaultLoadPlanner(replica_path="broadcast").create_global_plan(
+            _cost_plans(cost, [[compressed, both], [plain, both]]))
+        assert [p.items for p in final] == (
+            [[compressed], [plain, both]] if reader == 1 else [[compressed, both], [plain]])
+        assert [(t.ranks, t.src) for t in final[0].transfers] == [((0, 1), reader)]
+        # storage bytes count the compressed region's stored bytes
+        assert final[0].paths == [((0, 1), "broadcast", 100), ((0, 1), "storage", 100)]
+
+
+def test_a_compressed_region_a_host_shares_is_decoded_once_and_sent_through_shm():
+    """On storage whose cache the host shares, four ranks of one host need
+    a compressed region and an uncompressed one: the compressed one is read
+    and decoded by one rank and reaches the three others through host
+    shared memory (cheaper than three re-reads and decodings); the
+    uncompressed one keeps the page cache path."""
+    cost = ReadCost(latency_s=1e-4, bandwidth_bps=2e9, shared_cache=True)  # POSIX's
+    c = ReadItem("c", 0, 0, (0,), (4096,), 16384, stored_nbytes=12000, decode_nbytes=16384)
+    u = ReadItem("u", 1, 0, (0,), (2048,), 8192)
+    # per extra rank: a copy of 16,384 bytes against a re-read and a decoding
+    assert cost.seconds(16384) == 1e-4 + 16384 / 2e9
+    assert cost.seconds(12000, 16384) == 1e-4 + 12000 / 2e9 + 16384 / 1.5e9
+    final = DefaultLoadPlanner().create_global_plan(_cost_plans(cost, [[c, u]] * 4))
+    # c, the dearer, first: rank 0; u to the least loaded of the rest, rank 1
+    assert [p.items for p in final] == [[c], [u], [], []]
+    assert [p.cached for p in final] == [[u], [], [u], [u]]
+    assert all(p.transfers == [Transfer((0, 1, 2, 3), 0, (c,), True)] for p in final)
+    assert all(p.groups == [] for p in final)  # no process group: shared memory only
+    assert final[0].paths == [((0, 1, 2, 3), "page_cache", 3 * 8192),
+                              ((0, 1, 2, 3), "shared_memory", 3 * 16384),
+                              ((0, 1, 2, 3), "storage", 12000 + 8192)]
+    # ranks that cannot receive through shared memory: the page cache
+    final = DefaultLoadPlanner().create_global_plan(
+        _cost_plans(cost, [[c, u]] * 4, shared_memory=False))
+    assert [p.items for p in final] == [[c], [u], [], []]
+    assert [p.cached for p in final] == [[u], [c], [c, u], [c, u]]
+    assert all(p.transfers == [] for p in final)
+    # decoding (nearly) free: a re-read of 12,000 stored bytes beats a copy of 16,384
+    free = dataclasses.replace(cost, decode_bps=1e15)
+    final = DefaultLoadPlanner().create_global_plan(_cost_plans(free, [[c, u]] * 4))
+    assert all(p.transfers == [] for p in final)
+    assert [ways for _, ways, _ in final[0].paths] == ["page_cache", "storage"]

@@ -130,6 +130,21 @@ def test_read_cost_is_overridden_through_storage_options(tmp_path):
     with pytest.raises(dcp.CheckpointError, match="read_cost must be a mapping"):
         open_storage(str(tmp_path), read_cost=3)
     assert not open_storage("memory://x").read_cost.shared_cache
+    assert open_storage(str(tmp_path), read_cost={"decode_bps": 3e9}).read_cost.decode_bps == 3e9
+    assert open_storage(str(tmp_path)).read_cost.decode_bps == 1.5e9  # the measured default
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(dcp.CheckpointError, match="decode_bps > 0"):
+            open_storage(str(tmp_path), read_cost={"decode_bps": bad})
+    with pytest.raises(dcp.CheckpointError, match="bad read_cost.*decode_bps"):
+        open_storage(str(tmp_path), read_cost={"decode_bps": "fast"})
+
+
+def test_a_regions_seconds_add_latency_transfer_and_decoding():
+    cost = ReadCost(latency_s=0.5, bandwidth_bps=4, max_request_bytes=8, decode_bps=2)
+    # two requests of at most 8 bytes, 12 stored bytes at 4/s, 6 decoded at 2/s
+    assert cost.seconds(12, 6) == 0.5 * 2 + 3 + 3
+    assert cost.seconds(12, 6, requests=1) == 0.5 + 3 + 3
+    assert cost.seconds(0) == 0.5  # a request, even for nothing
 
 
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool, torch.float32]

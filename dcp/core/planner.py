@@ -92,7 +92,14 @@ class ReadRequest:
 class ReadItem:
     """Read the box ``(offsets, sizes)`` (global coordinates, ``nbytes``
     long) of chunk number ``chunk`` of ``fqn`` into request number
-    ``request`` of this rank."""
+    ``request`` of this rank.
+
+    Of a compressed chunk, the frames covering the box are read and
+    decoded: ``stored_nbytes`` is their bytes in the data file and
+    ``decode_nbytes`` the logical bytes of those of them that are coded
+    (frames stored raw are copied, not decoded).  Both are 0 for a chunk
+    stored as it is, whose ``nbytes`` are read.
+    """
 
     fqn: str
     request: int
@@ -100,6 +107,19 @@ class ReadItem:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
+    stored_nbytes: int = 0
+    decode_nbytes: int = 0
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes its read takes from storage: the covering frames' stored
+        bytes of a compressed chunk, else ``nbytes``."""
+        return self.stored_nbytes or self.nbytes
+
+    def seconds(self, cost: ReadCost) -> float:
+        """Estimated seconds its read and decoding take one reader thread
+        on storage of ``cost`` (:meth:`~dcp.core.read_cost.ReadCost.seconds`)."""
+        return cost.seconds(self.read_nbytes, self.decode_nbytes)
 
 
 @dataclass(frozen=True)
@@ -147,7 +167,13 @@ class LoadPlan:
     member runs them; ``groups`` lists the replica groups of the load's
     broadcasts, which all ranks create in this order.  ``paths`` (the same
     on every rank) says, per replica group ``ranks``, which path its regions
-    took and how many bytes went each way: ``(ranks, path, nbytes)``.
+    took and how many bytes went each way: ``(ranks, path, nbytes)``
+    (logical bytes; ``"storage"``: the bytes read from storage, the
+    covering frames' stored bytes for compressed chunks).  On storage whose
+    cache a host shares, one group's regions may go two ways: those of
+    compressed chunks decoded once per host and passed on through
+    ``shared_memory``, the others re-read by each rank through the
+    ``page_cache``.
 
     ``whole_chunks`` (local plans) lists the chunks ``(fqn, chunk, nbytes)``
     this rank reads whole for a part of them; ``checks`` (final plans), on
@@ -163,7 +189,9 @@ class LoadPlan:
     memory); ``shared_memory`` whether the rank can receive through host
     shared memory (it takes part in a load of several ranks and knows its
     host); ``shared_cache`` is the storage's
-    :attr:`~dcp.core.read_cost.ReadCost.shared_cache`.
+    :attr:`~dcp.core.read_cost.ReadCost.shared_cache`, and ``read_cost``
+    its whole read cost, by which the global plan prices each region's
+    read (:meth:`ReadItem.seconds`).
     """
 
     items: list[ReadItem] = field(default_factory=list)
@@ -179,6 +207,7 @@ class LoadPlan:
     host: str = ""
     shared_memory: bool = False
     shared_cache: bool = False
+    read_cost: ReadCost = field(default_factory=ReadCost)
 
 
 class LoadPlanner(abc.ABC):

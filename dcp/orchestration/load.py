@@ -139,7 +139,7 @@ class LoadReport:
     memory copy, not a storage read), in ``cache_requests`` reads (each
     piece taken as it arrived counts one).
     ``paths``: per replica group (its ranks), the path its regions took and
-    the bytes moved that way — ``"storage"`` (read from storage),
+    the bytes moved that way — ``"storage"`` (read from storage, as stored),
     ``"page_cache"``, ``"shared_memory"``, ``"broadcast"`` — the same list
     on every rank.  ``materialized``: fqns whose target was on the meta
     device, replaced by a real tensor of the saved dtype (on the load's
@@ -255,6 +255,7 @@ class _Load:
         plan.host = host_key() if self.host is None else self.host
         plan.shared_memory = self.exchange is not None and bool(plan.host)
         plan.shared_cache = self.storage.read_cost.shared_cache
+        plan.read_cost = self.storage.read_cost
         by_chunk: dict[tuple[str, int], list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             by_chunk[(item.fqn, item.chunk)].append(item)
