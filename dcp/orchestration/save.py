@@ -752,14 +752,13 @@ class _Save:
         for item in group:
             buf = self._bytes(item)
             parts: list[memoryview | bytes] = [buf]
-            policy = self.compression
-            compressed = policy is not None and len(buf) > 0
-            if policy is not None and compressed:
+            policy = self.compression if len(buf) else None
+            if policy is not None:
                 dtype = self.dtypes[item.fqn]
                 parts, index = codec.compress(buf, dtype, DTYPE_ITEMSIZE[dtype], policy)
                 frames[(item.fqn, item.offsets)] = index
             # compressed chunks are decoded, never mapped or read direct: no padding
-            if not compressed and len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
+            if policy is None and len(buf) >= ALIGNED_CHUNK_BYTES and offset % align:
                 buffers.append(bytes(align - offset % align))
                 offset += align - offset % align
             buffers.extend(parts)
