@@ -73,7 +73,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from dcp.asynchronous.async_save import AsyncSaveResponse
+from dcp.asynchronous.async_save import AsyncSaveResponse as _AsyncSaveResponse
 from dcp.asynchronous.async_save import async_save as _async_save
 from dcp.core.metadata import Metadata
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
@@ -568,7 +568,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     future: Future = Future()
     future.set_running_or_notify_cancel()
 
-    def resolve(done: AsyncSaveResponse) -> None:
+    def resolve(done: _AsyncSaveResponse) -> None:
         try:
             future.set_result(done.result())
         except CheckpointError as e:  # the save's failure, handed to the caller

@@ -617,6 +617,7 @@ def test_compat_names_used_through_the_module_alias(tmp_path):
         dist_cp.load_sharded_optimizer_state_dict(target["model"], "optimizer",
                                                   dist_cp.FileSystemReader(d))
     assert not hasattr(dist_cp, "StorageWriter")
+    assert not hasattr(dist_cp, "AsyncSaveResponse")  # async_save returns a Future
     with pytest.raises(dcp.CheckpointError, match="StorageReader.s I/O would not run"):
         dist_cp.StorageReader  # noqa: B018
     with pytest.raises(dcp.CheckpointError, match="Hugging Face safetensors"):
