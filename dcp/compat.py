@@ -11,8 +11,9 @@ through the alias:
   ``async_checkpointer_type=``), the deprecated :func:`save_state_dict` and
   :func:`load_state_dict` (Accelerate's and older Lightning's calls),
   the private :func:`_load_state_dict_from_keys` (over
-  :func:`dcp.load_keys`), the modules ``state_dict_saver`` and
-  ``state_dict_loader`` holding them,
+  :func:`dcp.load_keys`), :func:`dcp_to_torch_save` and
+  :func:`torch_save_to_dcp`, the modules ``state_dict_saver``,
+  ``state_dict_loader`` and ``format_utils`` holding them,
   ``CheckpointException`` (:class:`~dcp.CheckpointError`), ``Metadata``
   (:class:`~dcp.Metadata`, what :func:`save` returns) and the planner
   interfaces ``SavePlanner``, ``LoadPlanner``, ``SavePlan``, ``LoadPlan``,
@@ -23,7 +24,9 @@ through the alias:
 * refused, saying what to do instead: ``load_sharded_optimizer_state_dict``
   (FSDP1's loader builds its targets from torch DCP's pickled metadata), the
   storage interfaces ``StorageWriter`` / ``StorageReader`` (their I/O would
-  not run), the Hugging Face storages (another format), torch DCP's
+  not run), the Hugging Face storages (another format), ``format_utils``'
+  ``BroadcastingTorchSaveReader`` and ``DynamicMetaLoadPlanner`` (a torch
+  storage and planner: convert the file once instead), torch DCP's
   metadata classes and ``AsyncSaveResponse``.
 
 Stateful values are resolved as torch does (:mod:`dcp.core.stateful`).
@@ -70,7 +73,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from dcp.asynchronous.async_save import AsyncSaveResponse
+from dcp.asynchronous.async_save import AsyncSaveResponse as _AsyncSaveResponse
 from dcp.asynchronous.async_save import async_save as _async_save
 from dcp.core.metadata import Metadata
 from dcp.core.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
@@ -102,7 +105,8 @@ _TORCH_OBJECTS = {
 }
 #: torch's modules of entry points, as modules of ours holding these names.
 _MODULES = {"state_dict_saver": ("save", "async_save", "save_state_dict", "AsyncCheckpointerType"),
-            "state_dict_loader": ("load", "load_state_dict", "_load_state_dict_from_keys")}
+            "state_dict_loader": ("load", "load_state_dict", "_load_state_dict_from_keys"),
+            "format_utils": ("dcp_to_torch_save", "torch_save_to_dcp")}
 __all__ += [*_TORCH_OBJECTS, *_MODULES]
 _TORCH_METADATA = ("torch DCP's metadata classes: a hyperdcp checkpoint's metadata is "
                    "dcp.read_metadata(path), a dcp.Metadata (TensorMeta, ChunkMeta, ObjectMeta)")
@@ -123,6 +127,11 @@ _REFUSED = {
     "BytesStorageMetadata": _TORCH_METADATA,
     "ChunkStorageMetadata": _TORCH_METADATA,
     "TensorStorageMetadata": _TORCH_METADATA,
+    "BroadcastingTorchSaveReader": "a torch StorageReader's I/O would not run: convert the "
+                                   "torch.save file once with "
+                                   "dcp.compat.format_utils.torch_save_to_dcp and load that",
+    "DynamicMetaLoadPlanner": "its hooks would not run: convert the torch.save file once with "
+                              "dcp.compat.format_utils.torch_save_to_dcp and load that",
     "AsyncSaveResponse": "dcp.compat.async_save returns a concurrent.futures.Future of the "
                          "committed dcp.Metadata (torch returns an AsyncSaveResponse only with "
                          "a custom async_stager, which hyperdcp refuses)",
@@ -486,6 +495,33 @@ def _load_state_dict_from_keys(keys: set[str] | str | None = None, *,
                               process_group=process_group)
 
 
+def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike,
+                      torch_save_path: str | os.PathLike) -> None:
+    """torch's ``format_utils.dcp_to_torch_save`` over hyperdcp: every value
+    of the checkpoint, on CPU at its saved dtype and nested as it was saved
+    (:func:`_load_state_dict_from_keys`), written with ``torch.save`` to
+    ``torch_save_path``.  Offline, in one process, as torch's; raises
+    :class:`CheckpointError` (a ``RuntimeError`` too) for a path that
+    holds no hyperdcp checkpoint."""
+    import torch
+
+    torch.save(_load_state_dict_from_keys(checkpoint_id=dcp_checkpoint_dir), torch_save_path)
+
+
+def torch_save_to_dcp(torch_save_path: str | os.PathLike,
+                      dcp_checkpoint_dir: str | os.PathLike) -> None:
+    """torch's ``format_utils.torch_save_to_dcp`` over hyperdcp: the
+    ``torch.save`` file read with ``torch.load(weights_only=True)`` (tensors,
+    containers and plain values; no unpickling of other objects, unlike
+    torch's) and saved with :func:`save` (``no_dist=True``: offline, in one
+    process).  Raises what ``torch.load`` raises for a file it refuses,
+    and :class:`CheckpointError` as :func:`save` does."""
+    import torch
+
+    state_dict = torch.load(torch_save_path, map_location="cpu", weights_only=True)
+    save(state_dict, checkpoint_id=dcp_checkpoint_dir, no_dist=True)
+
+
 def load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
                                       storage_reader: Any, planner: Any = None) -> dict:
     """Refused, always raising :class:`CheckpointError`: torch's FSDP1
@@ -532,7 +568,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
     future: Future = Future()
     future.set_running_or_notify_cancel()
 
-    def resolve(done: AsyncSaveResponse) -> None:
+    def resolve(done: _AsyncSaveResponse) -> None:
         try:
             future.set_result(done.result())
         except CheckpointError as e:  # the save's failure, handed to the caller

@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -526,6 +527,29 @@ def test_compat_no_dist_single_process(tmp_path):
         assert_bitwise_equal(model2.state_dict()[k], v, k)
     assert target["blob"] == b"abc" and target["bio"].getvalue() == b"xyz"
 
+    # torch's format_utils: a hyperdcp checkpoint to one torch.save file and back
+    dcp.compat.format_utils.dcp_to_torch_save(tmp_path / "c", tmp_path / "c.pt")
+    full = torch.load(tmp_path / "c.pt", weights_only=False)  # written just above
+    assert sorted(full) == ["bio", "blob", "loader", "model", "n"], sorted(full)
+    assert full["loader"] == {"pos": 11, "epoch": 0} and full["n"] == 4 and full["blob"] == b"abc"
+    assert full["bio"].getvalue() == b"xyz"
+    assert sorted(full["model"]) == sorted(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert_bitwise_equal(full["model"][k], v, k)
+    torch.save({"model": model.state_dict(), "step": 7}, tmp_path / "t.pt")
+    dcp.compat.format_utils.torch_save_to_dcp(tmp_path / "t.pt", tmp_path / "t")
+    model3 = _mlp(2)
+    target3 = {"model": model3, "step": 0}
+    dcp.compat.load(target3, checkpoint_id=tmp_path / "t")
+    assert target3["step"] == 7
+    for k, v in model.state_dict().items():
+        assert_bitwise_equal(model3.state_dict()[k], v, k)
+    with pytest.raises(dcp.CheckpointError, match=re.escape(
+            "dcp.compat.BroadcastingTorchSaveReader is not supported: a torch StorageReader's "
+            "I/O would not run: convert the torch.save file once with "
+            "dcp.compat.format_utils.torch_save_to_dcp and load that")):
+        dcp.compat.format_utils.BroadcastingTorchSaveReader  # noqa: B018
+
     with pytest.raises(dcp.CheckpointError, match="differ"):
         dcp.compat.save(sd, checkpoint_id=tmp_path / "a", storage_writer=FileSystemWriter(
             tmp_path / "b"))
@@ -593,6 +617,7 @@ def test_compat_names_used_through_the_module_alias(tmp_path):
         dist_cp.load_sharded_optimizer_state_dict(target["model"], "optimizer",
                                                   dist_cp.FileSystemReader(d))
     assert not hasattr(dist_cp, "StorageWriter")
+    assert not hasattr(dist_cp, "AsyncSaveResponse")  # async_save returns a Future
     with pytest.raises(dcp.CheckpointError, match="StorageReader.s I/O would not run"):
         dist_cp.StorageReader  # noqa: B018
     with pytest.raises(dcp.CheckpointError, match="Hugging Face safetensors"):
