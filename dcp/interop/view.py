@@ -45,6 +45,9 @@ class ReadOnlyView(StoragePlugin):
     def read_requests(self, name, requests) -> None:
         self.inner.read_requests(name, requests)
 
+    def read_streamed(self, name, requests, arrived):
+        return self.inner.read_streamed(name, requests, arrived)
+
     def mapped(self, name: str):
         return self.inner.mapped(name)  # the page-cache copies of the plugin holding the files
 
