@@ -29,8 +29,9 @@ host's steady state stays within 2.0x its own bytes: a rank whose host keeps
 copies for other hosts as large as its own bytes keeps no spare.  The next
 step's own file is the spare, renamed into place, grown back to size and
 mapped with ``MAP_POPULATE`` (its pages exist: 0.01 s per 256 MiB), so the
-stall is about a warm copy.  A spare is overwritten whole by the staging
-copy; it is never part of a step.
+stall is about a warm copy.  A spare is never part of a step, and of a step
+made from one only the bytes of its chunks, as the staging copy wrote them,
+are ever read.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ class HostStore:
                 continue
             with contextlib.suppress(OSError):
                 (self.root / SPARES).mkdir(exist_ok=True)
-                os.truncate(d / name, min(room, _size(d / name)))
+                os.truncate(d / name, room)
                 os.replace(d / name, self.root / SPARES / name)
 
     def drop_except(self, keep: set[int]) -> None:
