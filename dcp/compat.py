@@ -148,14 +148,6 @@ def __getattr__(name: str) -> Any:
     (:data:`_MODULES`) on first use; a refusal for :data:`_REFUSED`."""
     if name in _TORCH_OBJECTS:
         value = getattr(importlib.import_module(_TORCH_OBJECTS[name]), name)
-    elif name in _MODULES:
-        value = types.ModuleType(f"{__name__}.{name}",
-                                 f"torch.distributed.checkpoint.{name}'s entry points over "
-                                 f"hyperdcp (dcp.compat).")
-        this = sys.modules[__name__]
-        for attr in _MODULES[name]:
-            setattr(value, attr, getattr(this, attr))
-        setattr(value, "__getattr__", __getattr__)  # noqa: B010  # its refusals too
     elif name in _REFUSED:
         raise _Refused(f"dcp.compat.{name} is not supported: {_REFUSED[name]}")
     else:
@@ -514,11 +506,19 @@ def torch_save_to_dcp(torch_save_path: str | os.PathLike,
     ``torch.save`` file read with ``torch.load(weights_only=True)`` (tensors,
     containers and plain values; no unpickling of other objects, unlike
     torch's) and saved with :func:`save` (``no_dist=True``: offline, in one
-    process).  Raises what ``torch.load`` raises for a file it refuses,
-    and :class:`CheckpointError` as :func:`save` does."""
+    process).  Raises :class:`CheckpointError` (a ``RuntimeError`` too)
+    naming the file if it cannot be read or holds other objects, and as
+    :func:`save` does."""
+    import pickle
+
     import torch
 
-    state_dict = torch.load(torch_save_path, map_location="cpu", weights_only=True)
+    try:
+        state_dict = torch.load(torch_save_path, map_location="cpu", weights_only=True)
+    except (OSError, pickle.UnpicklingError, RuntimeError) as e:
+        raise _in_torch_terms(CheckpointError(
+            f"{os.fspath(torch_save_path)!r}: not a torch.save file of tensors and plain "
+            f"values ({type(e).__name__}: {e})")) from e
     save(state_dict, checkpoint_id=dcp_checkpoint_dir, no_dist=True)
 
 
@@ -578,3 +578,25 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike |
 
     response.add_done_callback(resolve)
     return future
+
+
+def _module(name: str) -> types.ModuleType:
+    """torch's module ``name`` of entry points (:data:`_MODULES`) as one of
+    ours, its names taken from this module on first use (its refusals
+    too), registered in ``sys.modules`` so that ``from
+    dcp.compat.format_utils import dcp_to_torch_save`` works as torch's
+    spelling does."""
+    module = types.ModuleType(f"{__name__}.{name}", f"torch.distributed.checkpoint.{name}'s "
+                              f"entry points over hyperdcp (dcp.compat).")
+    names = _MODULES[name]
+
+    def attr(key: str) -> Any:
+        return getattr(sys.modules[__name__], key) if key in names else __getattr__(key)
+
+    module.__dict__.update(__getattr__=attr, __all__=list(names))
+    sys.modules[module.__name__] = module
+    return module
+
+
+for _name in _MODULES:
+    globals()[_name] = _module(_name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import re
 import shutil
 import threading
 import time
@@ -100,6 +101,20 @@ def test_floats_shrink_and_integers_round_trip_without_compression_too(tmp_path)
     out = {"w": torch.empty_like(w)}
     dcp.load(out, tmp_path / "z")
     assert torch.equal(out["w"], w)
+    # each byte plane its own zstd block: frames under zstd's 128 KiB block
+    # shrink as 2 MiB frames do (one table for all planes gave bf16 1.28x)
+    w32 = _value(torch.float32, (256, 512))
+    for dtype, least in ((torch.bfloat16, 1.45), (torch.float32, 1.17)):
+        ratios = []
+        for frame_bytes in (4096, 64 << 10, 2 << 20):
+            path = tmp_path / f"{dtype}-{frame_bytes}"
+            md = dcp.save({"w": w32.to(dtype)}, path,
+                          compression=dcp.Compression(frame_bytes=frame_bytes))
+            ratios.append(md.unique_bytes / sum(f.stat().st_size for f in path.glob("*.data")))
+            got = {"w": torch.empty(256, 512, dtype=dtype)}
+            dcp.load(got, path)
+            assert torch.equal(got["w"], w32.to(dtype))
+        assert min(ratios) >= least and max(ratios) - min(ratios) < 0.04, (dtype, ratios)
 
 
 def test_a_partial_load_reads_only_the_covering_frames(tmp_path):
@@ -247,6 +262,12 @@ def test_an_unknown_codec_is_refused_by_name(tmp_path):
     with pytest.raises(dcp.CheckpointError, match="codec 'lz9'") as caught:
         dcp.load({"w": torch.empty_like(w)}, tmp_path / "c")
     assert not isinstance(caught.value, dcp.CorruptCheckpointError)
+    _edit_metadata(tmp_path / "c", lambda doc: doc["frames"].update(codec="zstd", version=9))
+    with pytest.raises(dcp.CheckpointError, match=r"frame index is version 9, newer than this "
+                       r"build reads \(1\); load it with a newer hyperdcp") as caught:
+        dcp.load({"w": torch.empty_like(w)}, tmp_path / "c")
+    assert not isinstance(caught.value, dcp.CorruptCheckpointError)
+    _edit_metadata(tmp_path / "c", lambda doc: doc["frames"].update(version=1))
     _edit_metadata(tmp_path / "c", lambda doc: doc.update(version=2) or doc["frames"].update(
         codec="zstd"))
     with pytest.raises(dcp.CorruptCheckpointError, match="frames section in a version 2"):
@@ -257,8 +278,11 @@ def test_the_policy_is_validated(tmp_path):
     for bad in ({"codec": "lz4"}, {"level": 0}, {"level": 1.5}, {"frame_bytes": 1}):
         with pytest.raises(dcp.CheckpointError):
             dcp.Compression(**bad)
-    with pytest.raises(dcp.CheckpointError, match="lz4"):
-        dcp.save({"w": torch.zeros(3)}, tmp_path / "c", compression="lz4")
+    for name in ("lz4", "None", ""):
+        with pytest.raises(dcp.CheckpointError, match=re.escape(
+                f"unknown compression {name!r} (known: zstd; None or 'none' for no "
+                f"compression)")):
+            dcp.save({"w": torch.zeros(3)}, tmp_path / "c", compression=name)
     with pytest.raises(dcp.CheckpointError):
         dcp.save({"w": torch.zeros(3)}, tmp_path / "c", compression=3)
 
@@ -390,19 +414,24 @@ def test_async_save_compresses(tmp_path):
 def test_inspect_shows_stored_and_logical_bytes(tmp_path, capsys):
     from dcp.tools.cli import main
     w = _value(torch.bfloat16, (64, 128))
-    dcp.save({"w": w, "n": torch.arange(10)}, tmp_path / "c", compression=SMALL)
+    noise = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator()
+                          .manual_seed(0))  # does not shrink: its 2 frames stored raw
+    dcp.save({"w": w, "n": torch.arange(10), "r": noise}, tmp_path / "c", compression=SMALL)
     file_bytes = sum(f.stat().st_size for f in (tmp_path / "c").glob("*.data"))
     assert main(["inspect", str(tmp_path / "c"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     tensors = doc["tensors"]
     assert tensors["w"]["nbytes"] == 64 * 128 * 2 > tensors["w"]["file_bytes"]
-    assert tensors["w"]["file_bytes"] + tensors["n"]["file_bytes"] <= file_bytes
+    assert doc["file_bytes"] == sum(t["file_bytes"] for t in tensors.values()) <= file_bytes
+    assert doc["stored_bytes"] == 64 * 128 * 2 + 80 + 5000 and tensors["r"]["file_bytes"] == 5000
     assert tensors["w"]["chunks"][0]["frames"] == 4
     assert main(["inspect", str(tmp_path / "c"), "--chunks"]) == 0
     out = capsys.readouterr().out
     ratio = tensors["w"]["nbytes"] / tensors["w"]["file_bytes"]
     assert f"{tensors['w']['file_bytes']} B in files, {ratio:.2f}x zstd" in out
-    assert "4 zstd frames" in out
+    assert "4 frames (0 stored raw)" in out and "2 frames (2 stored raw)" in out
+    assert (f"{doc['stored_bytes']} bytes of chunks (" in out
+            and f"{doc['file_bytes']} in data files (" in out)
 
 
 def test_conversions_decompress(tmp_path):

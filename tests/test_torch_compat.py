@@ -537,7 +537,11 @@ def test_compat_no_dist_single_process(tmp_path):
     for k, v in model.state_dict().items():
         assert_bitwise_equal(full["model"][k], v, k)
     torch.save({"model": model.state_dict(), "step": 7}, tmp_path / "t.pt")
-    dcp.compat.format_utils.torch_save_to_dcp(tmp_path / "t.pt", tmp_path / "t")
+    from dcp.compat.format_utils import torch_save_to_dcp  # torch's tutorial spelling
+    torch_save_to_dcp(tmp_path / "t.pt", tmp_path / "t")
+    with pytest.raises(RuntimeError, match=r"'.*missing\.pt': not a torch\.save file .*"
+                       r"FileNotFoundError"):
+        torch_save_to_dcp(tmp_path / "missing.pt", tmp_path / "m")
     model3 = _mlp(2)
     target3 = {"model": model3, "step": 0}
     dcp.compat.load(target3, checkpoint_id=tmp_path / "t")

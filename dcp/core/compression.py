@@ -101,6 +101,9 @@ def resolve(value: Compression | str | None) -> Compression | None:
     if isinstance(value, Compression):
         return value
     if isinstance(value, str):
+        if value not in CODECS:
+            raise CheckpointError(f"unknown compression {value!r} (known: {', '.join(CODECS)}; "
+                                  f"None or 'none' for no compression)")
         return Compression(codec=value)
     raise CheckpointError(f"compression must be None, a codec name or dcp.Compression, "
                           f"not {type(value).__name__}")
@@ -181,7 +184,24 @@ def _group(piece: memoryview, itemsize: int) -> memoryview:
     out = np.empty((itemsize, len(elements)), dtype=np.uint8)
     for j in range(itemsize):
         out[j] = elements[:, j]
-    return out.data
+    return out.reshape(-1).data
+
+
+def _by_plane(compressor: zstandard.ZstdCompressor, grouped: memoryview,
+              itemsize: int) -> bytes:
+    """``grouped`` (:func:`_group`) as one zstd frame in which each byte
+    position's plane starts a block of its own, so that each gets its own
+    Huffman table: a frame of at most zstd's 128 KiB block would otherwise
+    code all planes with one (bf16 in 64 KiB frames 1.28x, by plane 1.49x,
+    as in 2 MiB frames).  Any zstd decoder reads it."""
+    plane = len(grouped) // itemsize
+    coder = compressor.compressobj(size=len(grouped))
+    out = []
+    for j in range(itemsize):
+        out.append(coder.compress(grouped[j * plane:(j + 1) * plane]))
+        out.append(coder.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(coder.flush())
+    return b"".join(out)
 
 
 def _ungroup(data: bytes, itemsize: int, out: memoryview) -> None:
@@ -206,15 +226,18 @@ def compress(buffer: memoryview, dtype: str, itemsize: int,
     step = max(1, policy.frame_bytes // itemsize) * itemsize
     grouped = dtype in GROUPED_DTYPES and itemsize > 1
     compressor = _compressor(policy.level)
-    entropy = _compressor(None) if grouped else compressor
+    entropy = _compressor(None)
     parts: list[memoryview | bytes] = []
     stored, kinds, crcs = [], [], []
     for start in range(0, len(buffer), step):
         piece = buffer[start:start + step]
-        data = _group(piece, itemsize) if grouped else piece
-        packed = entropy.compress(data)
-        if grouped and len(packed) * STRUCTURED_RATIO <= len(piece):
-            packed = min(packed, compressor.compress(data), key=len)
+        if grouped:
+            data = _group(piece, itemsize)
+            packed = _by_plane(entropy, data, itemsize)
+            if len(packed) * STRUCTURED_RATIO <= len(piece):
+                packed = min(packed, compressor.compress(data), key=len)
+        else:
+            packed = compressor.compress(piece)
         part: memoryview | bytes
         if len(packed) < len(piece):
             part, kind = packed, GROUPED if grouped else ZSTD

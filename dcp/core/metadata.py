@@ -477,8 +477,13 @@ def _frames_of(value, rows: int, nbytes: np.ndarray, itemsizes: np.ndarray, size
         raise CheckpointError(
             f"{where}: the checkpoint is compressed with codec {codec!r:.40}, which this build "
             f"cannot read (it reads {', '.join(CODECS)}); load it with a build that knows it")
-    if section.get("version") != FRAME_INDEX_VERSION:
-        _fail(where, f"unsupported frame index version {section.get('version')!r:.40}")
+    version = section.get("version")
+    if type(version) is int and version > FRAME_INDEX_VERSION:
+        raise CheckpointError(
+            f"{where}: the checkpoint's frame index is version {version}, newer than this "
+            f"build reads ({FRAME_INDEX_VERSION}); load it with a newer hyperdcp")
+    if version != FRAME_INDEX_VERSION:
+        _fail(where, f"unsupported frame index version {version!r:.40}")
     chunks = _int(section.get("chunks"), where, "frames.chunks", 0, rows + 1)
     count = _int(section.get("frames"), where, "frames.frames", 0, size + 1)
     row, frame_bytes, counts = (_unpack(section, n, chunks, where)

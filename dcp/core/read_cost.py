@@ -34,6 +34,14 @@ from typing import Any
 
 from dcp.errors import CheckpointError
 
+#: Each numeric field of :class:`ReadCost`: integer or not, its least value
+#: and whether that value is allowed, its unit.
+_RULES = (("latency_s", False, 0, True, "seconds"),
+          ("bandwidth_bps", False, 0, False, "bytes per second"),
+          ("concurrency", True, 1, True, "requests"),
+          ("max_request_bytes", True, 1, True, "bytes"),
+          ("decode_bps", False, 0, False, "bytes per second"))
+
 
 @dataclass(frozen=True)
 class ReadCost:
@@ -65,11 +73,16 @@ class ReadCost:
     decode_bps: float = 1.5e9
 
     def __post_init__(self) -> None:
-        if not (self.latency_s >= 0 and self.bandwidth_bps > 0 and self.concurrency >= 1
-                and self.max_request_bytes >= 1 and self.decode_bps > 0):
-            raise CheckpointError(
-                f"read cost {self}: latency_s must be >= 0, bandwidth_bps > 0, decode_bps > 0, "
-                f"concurrency and max_request_bytes >= 1")
+        for name, integer, least, allowed, unit in _RULES:
+            value = getattr(self, name)
+            typed = isinstance(value, int if integer else (int, float)) and not isinstance(
+                value, bool)
+            if not (typed and (value >= least if allowed else value > least)):
+                raise CheckpointError(
+                    f"read_cost {name}={value!r}: {'an integer' if integer else 'a number'} "
+                    f"{'>=' if allowed else '>'} {least} ({unit})")
+        if not isinstance(self.shared_cache, bool):
+            raise CheckpointError(f"read_cost shared_cache={self.shared_cache!r}: True or False")
 
     def seconds(self, stored_bytes: int, decoded_bytes: int = 0,
                 requests: int | None = None) -> float:
@@ -106,5 +119,5 @@ class ReadCost:
                                   f"(known: {sorted(fields)})")
         try:
             return dataclasses.replace(self, **overrides)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{where!r}: bad read_cost {dict(overrides)}: {e}") from e
+        except CheckpointError as e:
+            raise CheckpointError(f"{where!r}: {e}") from e

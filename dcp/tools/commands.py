@@ -17,6 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcp.coordination.independent import has_metadata, what_is_there
+from dcp.core.compression import RAW
 from dcp.core.metadata import CHECKSUM, METADATA_FILE, TORCH_METADATA_FILE
 from dcp.core.storage import open_storage, scheme_of, storage_errors
 from dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
@@ -138,6 +139,7 @@ def _inspect(args) -> int:
         doc = {
             "format": fmt, "version": md.version, "save_id": md.save_id,
             "world_size": md.world_size, "stored_bytes": md.stored_bytes,
+            "file_bytes": sum(t.file_bytes for t in md.tensors.values()),
             "unique_bytes": md.unique_bytes, "files": sorted(md.files()),
             "tensors": {fqn: {"shape": list(t.shape), "dtype": t.dtype, "nbytes": t.nbytes,
                               "file_bytes": t.file_bytes,
@@ -154,9 +156,12 @@ def _inspect(args) -> int:
         return 0
     what = (f"hyperdcp format v{md.version}, saved by {md.world_size} rank(s)" if fmt == "hyperdcp"
             else f"{fmt} (no checksums)")
+    in_files = sum(t.file_bytes for t in md.tensors.values())
+    packed = (f", {in_files} in data files ({md.stored_bytes / max(1, in_files):.2f}x "
+              f"compressed)" if in_files != md.stored_bytes else "")
     print(f"{args.uri}: {what}, {len(md.tensors)} tensors, {len(md.objects)} values, "
-          f"{md.stored_bytes} bytes stored ({tqdm.format_sizeof(md.stored_bytes, 'B', 1024)}), "
-          f"{len(md.files())} files")
+          f"{md.stored_bytes} bytes of chunks ({tqdm.format_sizeof(md.stored_bytes, 'B', 1024)})"
+          f"{packed}, {len(md.files())} files")
     for fqn, t in md.tensors.items():
         ranks = sorted({c.rank for c in t.chunks})
         packed = (f" ({t.file_bytes} B in files, {t.stored_bytes / max(1, t.file_bytes):.2f}x "
@@ -166,7 +171,8 @@ def _inspect(args) -> int:
         if args.chunks:
             for c in t.chunks:
                 crc = "no checksum" if c.checksum is None else f"{CHECKSUM} {c.checksum:#010x}"
-                frames = "" if c.frames is None else f", {len(c.frames.stored)} zstd frames"
+                frames = "" if c.frames is None else (
+                    f", {len(c.frames.stored)} frames ({c.frames.kinds.count(RAW)} stored raw)")
                 print(f"    at {list(c.offsets)} size {list(c.sizes)}: {c.file} "
                       f"[{c.byte_offset}, {c.byte_offset + c.stored_nbytes}) {crc}, rank "
                       f"{c.rank}{frames}")
