@@ -200,11 +200,17 @@ def _also_runtime(cls: type[CheckpointError]) -> type:
 
 def _in_torch_terms(error: CheckpointError) -> CheckpointError:
     """``error`` as a drop-in for torch DCP raises it: a ``RuntimeError`` as
-    well as a :class:`CheckpointError`, its message naming torch's ways
+    well as a :class:`CheckpointError`, with torch's ``failures`` (``{rank:
+    (error, traceback text)}`` of the ranks that failed, from its
+    ``tracebacks``; empty for a failure before any coordinated step), its
+    message naming torch's ways
     instead of hyperdcp's keywords (:data:`_TORCH_WAYS`) and led by torch's
     words for the failure (:data:`_TORCH_WORDING`)."""
     with contextlib.suppress(TypeError):  # a class with its own layout stays as it is
         error.__class__ = _also_runtime(type(error))
+    # torch's CheckpointException.failures: each failing rank's error and traceback
+    error.failures = {rank: (error, text)  # type: ignore[attr-defined]
+                      for rank, text in getattr(error, "tracebacks", {}).items()}
     if error.args:
         message = _WAYS.sub(lambda m: _TORCH_WAYS[m.group(0)], str(error))
         for ours, torchs in _TORCH_WORDING.items():

@@ -611,6 +611,8 @@ def test_compat_names_used_through_the_module_alias(tmp_path):
     with pytest.raises(dist_cp.CheckpointException) as e:
         dist_cp.save_state_dict(sd, dist_cp.FileSystemWriter(d, overwrite=False))
     assert "FileSystemWriter(..., overwrite=True)" in str(e.value), str(e.value)
+    assert list(e.value.failures) == [0] and e.value.failures[0][0] is e.value  # torch's field
+    assert "already holds a committed checkpoint" in e.value.failures[0][1]
     with pytest.raises(dcp.CheckpointError) as e:
         dist_cp.load_state_dict({**target, "new": torch.zeros(1)}, dist_cp.FileSystemReader(d))
     assert "planner=DefaultLoadPlanner(allow_partial_load=True)" in str(e.value), str(e.value)
